@@ -1,0 +1,77 @@
+"""Sampling parameters: vLLM's names and defaults, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output. Errors name the offending field."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per output token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, name: str, rule: str, value: object) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+        need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        need(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        need(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "-1, 0 (disabled) or a positive integer", self.top_k)
+        need(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]", self.presence_penalty)
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        need(self.repetition_penalty > 0.0, "repetition_penalty", "> 0", self.repetition_penalty)
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "max_tokens", "an integer >= 1 or None", self.max_tokens)
+        need(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "logprobs", "None or an integer in [0, 20]", self.logprobs)
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", "None or an integer in [0, 20]", self.prompt_logprobs)
+        need(self.seed is None or isinstance(self.seed, int), "seed", "None or an integer", self.seed)
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        from dataclasses import replace
+        return replace(self, **changes)

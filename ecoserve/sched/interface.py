@@ -1,0 +1,71 @@
+"""The typed contract between a scheduler and whatever executes its batches.
+
+A real executor runs the model (ecoserve.engine.executor); a simulated one predicts the step
+time from a performance model (ecoserve.sim). Schedulers see only this interface and a Clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ecoserve.request import Logprobs, Request
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute KV for tokens [start, start + num_tokens) of `request`; sample if that reaches its end."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool  # fixed at scheduling time: this chunk reaches the request's last token
+
+    @property
+    def is_prefill(self) -> bool:
+        return not (self.num_tokens == 1 and self.samples)
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    block_tables: dict[str, list[int]]  # request_id -> KV block ids (covering every scheduled token)
+    preempted_ids: tuple[str, ...] = ()
+    finished_ids: tuple[str, ...] = ()  # requests that left since the previous step (executors drop their state)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if c.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_tokens - self.num_prefill_tokens
+
+
+@dataclass
+class StepResult:
+    """What an executor returns: one sampled token per sampling chunk, and the step's duration.
+
+    `duration` is the measured (real) or predicted (simulated) execution time in seconds.
+    """
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # top-N (+ sampled) logprobs of the sampled token
+    sampled_logprob: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)  # appended chunk by chunk
+    duration: float = 0.0
+
+
+class Executor(Protocol):
+    def execute(self, batch: SchedulerOutput) -> StepResult: ...
