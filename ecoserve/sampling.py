@@ -42,6 +42,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {value!r}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)
         need(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
         need(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
         need(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
@@ -61,6 +64,8 @@ class SamplingParams:
              "prompt_logprobs", "None or an integer in [0, 20]", self.prompt_logprobs)
         need(self.seed is None or isinstance(self.seed, int), "seed", "None or an integer", self.seed)
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
+        need(self.detokenize or not self.stop, "stop", "empty when detokenize=False (stop strings are matched on text)",
+             self.stop)
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
 

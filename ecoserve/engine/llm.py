@@ -1,0 +1,93 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from ecoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from ecoserve.engine.llm_engine import LLMEngine, PromptType
+from ecoserve.request import RequestOutput
+from ecoserve.sampling import SamplingParams
+
+_CACHE_KEYS = {"block_size", "kv_cache_memory_bytes", "num_gpu_blocks", "enable_prefix_caching"}
+_SCHED_KEYS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting"}
+
+
+def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """Accept vLLM-style flat keyword arguments and sort them into the typed configs."""
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_KEYS}
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_KEYS}
+    if "scheduling_policy" in kwargs:
+        sched["policy"] = kwargs.pop("scheduling_policy")
+    try:
+        return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
+    except TypeError as e:
+        raise ValueError(f"unknown engine option: {e}") from None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        # Validate everything first so that one bad prompt leaves nothing half-queued.
+        tokenized = [engine.tokenize_prompt(p) for p in prompts]
+        for i, (_, ids) in enumerate(tokenized):
+            try:
+                engine.validate_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        order = {}
+        for (text, ids), p in zip(tokenized, params):
+            rid = str(next(self._ids))
+            order[rid] = len(order)
+            engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, p)
+        return self._run(order, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.encode_chat(c, add_generation_prompt)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        tok = self.llm_engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while any(r is None for r in results) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
+        return results

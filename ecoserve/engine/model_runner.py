@@ -1,0 +1,84 @@
+"""The real Executor: turns a SchedulerOutput into one flattened forward pass and samples.
+
+One batch description per step (ids, positions, slot mapping, attention spans); no padding in
+the token dimension. Logits are computed only for rows that are sampled (and for prompt rows of
+requests that asked for prompt logprobs).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ecoserve.engine.attention import PagedAttention, PagedKVCache
+from ecoserve.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from ecoserve.sched.interface import SchedulerOutput, StepResult
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str = "cpu",
+                 seed: int = 0) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.kv_cache = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
+                                     model.dtype, self.device)
+        self.attention = PagedAttention(self.kv_cache)
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(seed)
+
+    def _generator(self, request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None or request.sampling_params.greedy:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> StepResult:
+        started = time.perf_counter()
+        for rid in batch.finished_ids:
+            self._generators.pop(rid, None)
+        if batch.is_empty:
+            return StepResult(duration=time.perf_counter() - started)
+        ids, spans, sample_rows, prompt_rows = [], [], [], []
+        offset = 0
+        for chunk in batch.chunks:
+            req = chunk.request
+            end = chunk.start + chunk.num_tokens
+            ids.extend(req.all_token_ids[chunk.start:end])
+            spans.append((chunk.start, chunk.num_tokens, batch.block_tables[req.request_id]))
+            if req.sampling_params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
+                last = min(end, req.num_prompt_tokens - 1)  # positions whose next token is a prompt token
+                prompt_rows.append((chunk, offset, last - chunk.start))
+            if chunk.samples:
+                sample_rows.append((chunk, offset + chunk.num_tokens - 1))
+            offset += chunk.num_tokens
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(s, s + n) for s, n, _ in spans]).to(self.device)
+        self.attention.meta = self.attention.build_metadata(spans)
+        hidden = self.model(input_ids, positions, self.attention)
+        self.attention.meta = None
+
+        result = StepResult()
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows])])
+            rows = [SamplingRow(c.request.sampling_params, c.request.prompt_token_ids, c.request.output_token_ids,
+                                c.request.eos_token_ids, self._generator(c.request)) for c, _ in sample_rows]
+            sampled = self.sampler(logits, rows)
+            for k, (chunk, _) in enumerate(sample_rows):
+                rid = chunk.request.request_id
+                result.sampled[rid] = sampled.token_ids[k]
+                if sampled.top_logprobs is not None and sampled.top_logprobs[k] is not None:
+                    result.logprobs[rid] = sampled.top_logprobs[k]
+                    result.sampled_logprob[rid] = sampled.sampled_logprobs[k]
+        for chunk, offset, n in prompt_rows:
+            req = chunk.request
+            logits = self.model.compute_logits(hidden[offset:offset + n])
+            targets = torch.tensor(req.prompt_token_ids[chunk.start + 1:chunk.start + 1 + n])
+            result.prompt_logprobs[req.request_id] = prompt_logprobs(logits, targets,
+                                                                     req.sampling_params.prompt_logprobs)
+        result.duration = time.perf_counter() - started
+        return result

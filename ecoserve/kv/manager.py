@@ -1,0 +1,101 @@
+"""Per-request block tables over the block pool, with prefix caching."""
+from __future__ import annotations
+
+from ecoserve.kv.block_pool import BlockPool, KVBlock, chain_hash
+from ecoserve.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of the request already in the prefix index
+        self.prefix_queries = 0  # tokens looked up (vLLM's prefix_cache_queries counts tokens)
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, req: Request) -> list[KVBlock]:
+        """Longest chain of cached full blocks within the request's first num_tokens - 1 tokens.
+
+        One token is always left to compute so that the step produces logits to sample from.
+        """
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
+        bs, tokens = self.block_size, req.all_token_ids
+        hits: list[KVBlock] = []
+        parent: KVBlock | None = None
+        for start in range(0, (req.num_tokens - 1) // bs * bs, bs):
+            ids = tuple(tokens[start:start + bs])
+            block = self.pool.lookup(chain_hash(parent.block_hash if parent else None, ids), ids, parent)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
+        """Make room for `num_new_tokens` after the computed ones; False (and no change) if it won't fit."""
+        owned = self._blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(owned) - len(computed)
+        revived = sum(1 for b in computed if b.ref_cnt == 0)
+        if max(need, 0) + revived > self.pool.num_free_blocks:
+            if not owned:
+                del self._blocks[req.request_id]
+            return False
+        if computed:
+            self.pool.touch(list(computed))
+            owned.extend(computed)
+            self._num_cached[req.request_id] = len(computed)
+        if need > 0:
+            owned.extend(self.pool.allocate(need))
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Index the request's blocks that are full and whose KV is now computed."""
+        if not self.enable_prefix_caching:
+            return
+        owned = self._blocks.get(req.request_id)
+        if not owned:
+            return
+        bs = self.block_size
+        done = self._num_cached.get(req.request_id, 0)
+        full = min(req.num_computed_tokens // bs, len(owned))
+        for i in range(done, full):
+            ids = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+            parent = owned[i - 1] if i else None
+            parent_hash = parent.block_hash if parent else None
+            if i and parent_hash is None:
+                break  # parent not indexed (its content is owned by another canonical block)
+            self.pool.cache(owned[i], chain_hash(parent_hash, ids), ids, parent)
+            if owned[i].block_hash is None:
+                break
+            done = i + 1
+        self._num_cached[req.request_id] = done
+
+    def free(self, req: Request) -> None:
+        blocks = self._blocks.pop(req.request_id, None)
+        self._num_cached.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(blocks[::-1])

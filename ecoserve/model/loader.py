@@ -1,0 +1,175 @@
+"""load_model: a local HF directory, a .gguf file, a hub id or the embedded default -> LoadedModel."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ecoserve.model.registry import get_model_class
+from ecoserve.model.spec import ModelLoadError, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json"]
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    spec: ModelSpec
+    eos_token_ids: frozenset[int]
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    max_model_len: int = 0
+    name: str = ""  # what the user passed; the served model name
+    path: Path = Path()
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto' is float32 (CPU kernels are fastest and exact in float32); else the named dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """Local directory for `model`: converts GGUF files (cached), downloads hub ids (cached)."""
+    if model is None:
+        from ecoserve.model.default import default_model_dir
+        return default_model_dir()
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if model.endswith(".gguf"):
+        if not local.is_file():
+            raise ModelLoadError(f"GGUF file {model} does not exist")
+        from ecoserve.model.gguf import cached_conversion
+        return cached_conversion(local)
+    if local.exists() or model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"{model} is not a model directory or .gguf file")
+    return _download(model, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_FILES))
+    except HFValidationError:
+        raise ModelLoadError(f"{repo_id!r} is neither a local directory, a .gguf file, nor a valid "
+                             f"Hugging Face hub id (org/name)") from None
+    except LocalEntryNotFoundError:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        raise ModelLoadError(f"model {repo_id!r} is not a local path and is not in the Hugging Face cache, and "
+                             f"{why}; download it first (huggingface-cli download {repo_id}) or pass a local "
+                             f"directory") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise ModelLoadError(f"model {repo_id!r} (revision {revision or 'main'}) not found on the Hugging Face "
+                             f"hub: {type(e).__name__}") from None
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"malformed {index}: {e!r}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path} (only safetensors checkpoints are supported; "
+                             f"convert .bin weights with transformers' save_pretrained(safe_serialization=True))")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(spec: ModelSpec, path: Path, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
+    """Allocate the model once in `dtype` on `device` and copy the checkpoint tensors into it."""
+    cls = get_model_class(spec.architecture)
+    with torch.device("meta"):
+        model = cls(spec, dtype)
+    model = model.to_empty(device=device)
+    if spec.tie_word_embeddings:  # to_empty re-creates parameters, so tie again
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary.build(spec.max_position_embeddings, device)
+    model.load_weights(iter_safetensors(safetensors_files(path)))
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(source: str | Path, revision: str | None = None):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source), revision=revision)
+    except Exception as e:  # transformers raises many kinds; the message is what matters
+        raise ModelLoadError(f"could not load a tokenizer from {source}: {e}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"malformed {path}: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, list) else {int(value)}
+
+
+def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
+    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded)."""
+    torch_dtype = resolve_dtype(dtype, device)
+    path = resolve_model_path(model, revision)
+    spec = ModelSpec.from_dir(path)
+    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
+        logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
+                       "differ from the reference past that length", spec.architecture, spec.sliding_window)
+    net = build_model(spec, path, torch_dtype, device)
+    tok = load_tokenizer(tokenizer or path, revision if tokenizer else None)
+    generation = _read_json(path / "generation_config.json")
+    eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id")) | _ids(tok.eos_token_id)
+    defaults = {k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None}
+    if model is None:
+        from ecoserve.model.default import DEFAULT_MODEL_NAME
+        name = DEFAULT_MODEL_NAME
+    else:
+        name = model
+    return LoadedModel(model=net, tokenizer=tok, spec=spec, eos_token_ids=frozenset(eos),
+                       generation_defaults=defaults, max_model_len=spec.max_position_embeddings,
+                       name=name, path=path)

@@ -1,0 +1,92 @@
+"""Scheduling policies: small classes that decide *which* requests get tokens this step.
+
+All of them run over the one mechanism in `Scheduler` (budget, KV allocation, preemption).
+Registered by name; `SchedulerConfig.policy` picks one.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from ecoserve.sched.scheduler import Scheduler, StepBuilder
+
+POLICIES: dict[str, type["Policy"]] = {}
+
+
+def register(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
+    def wrap(cls: type[Policy]) -> type[Policy]:
+        POLICIES[name] = cls
+        cls.name = name
+        return cls
+    return wrap
+
+
+def make_policy(name: str) -> "Policy":
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name]()
+
+
+class Policy:
+    name = "base"
+
+    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+        raise NotImplementedError
+
+
+def _admit_waiting(sched: "Scheduler", step: "StepBuilder", whole_prompts: bool) -> None:
+    """FCFS admission; stop at the first request that does not fit (no overtaking)."""
+    while sched.waiting and not step.full():
+        req = sched.waiting[0]
+        remaining = req.num_tokens - req.num_computed_tokens
+        if whole_prompts and step.chunks and remaining > step.token_budget:
+            break  # a prompt is split only when it alone exceeds the budget
+        if not sched.admit(req, step):
+            break
+
+
+@register("prefill_first")
+class PrefillFirst(Policy):
+    """vLLM (V0) style: a step is either all prefills or all decodes; waiting prefills go first.
+
+    Prompts are not mixed with decodes, and a prompt is chunked only if it alone exceeds the
+    token budget (its chunks then keep priority until the prompt is done).
+    """
+
+    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+        for req in [r for r in sched.running if r.is_prefill]:
+            if step.full() or not sched.schedule_running(req, step):
+                break
+        if not step.chunks:
+            _admit_waiting(sched, step, whole_prompts=True)
+        if step.chunks:
+            return
+        for req in list(sched.running):
+            if req in sched.running and not step.full():
+                sched.schedule_running(req, step)
+
+
+@register("chunked")
+class ChunkedPrefill(Policy):
+    """Sarathi style: decodes first, then ongoing prompt chunks, then new prompts, in one hybrid batch."""
+
+    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+        decoding = [r for r in sched.running if not r.is_prefill]
+        prefilling = [r for r in sched.running if r.is_prefill]
+        for req in decoding + prefilling:
+            if step.full():
+                break
+            if req in sched.running:  # may have been preempted for an older request
+                sched.schedule_running(req, step)
+        if not step.num_preempted:  # memory is short: let running requests finish first
+            _admit_waiting(sched, step, whole_prompts=False)
+
+
+@register("temporal")
+class TemporalDisaggregation(PrefillFirst):
+    """EcoServe's instance policy: prefill everything the macro scheduler admitted, else decode.
+
+    The instance itself is prefill-first; phases last as long as routing makes them, because the
+    macro instance's router (Algorithm 1) admits requests to an instance in bursts. The phase and
+    the time of the last switch are reported in `Scheduler.status()`.
+    """

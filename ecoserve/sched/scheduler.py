@@ -1,0 +1,220 @@
+"""The instance scheduler: one token-budget mechanism; policies pick which requests get tokens.
+
+Each step, every scheduled request's `num_computed_tokens` catches up with its `num_tokens`
+within `max_num_batched_tokens` and `max_num_seqs`. There is no prefill or decode phase in the
+mechanism: a prompt chunk, a whole prompt, a recompute after preemption and a decode are all the
+same operation. The scheduler reads time only from its Clock and never touches the model.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from ecoserve.clock import Clock
+from ecoserve.config import CacheConfig, SchedulerConfig
+from ecoserve.kv.manager import KVCacheManager
+from ecoserve.request import Request, RequestStatus
+from ecoserve.sched.interface import ScheduledChunk, SchedulerOutput, StepResult
+from ecoserve.sched.status import RequestProgress, SchedulerStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepBuilder:
+    """The batch being assembled this step: chunks in order and the budget left."""
+
+    token_budget: int
+    seq_budget: int
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
+    num_preempted: int = 0
+
+    def add(self, req: Request, num_tokens: int) -> None:
+        start = req.num_computed_tokens
+        self.chunks[req.request_id] = ScheduledChunk(req, start, num_tokens, start + num_tokens == req.num_tokens)
+        self.token_budget -= num_tokens
+        self.seq_budget -= 1
+
+    def remove(self, req: Request) -> None:
+        chunk = self.chunks.pop(req.request_id, None)
+        if chunk is not None:
+            self.token_budget += chunk.num_tokens
+            self.seq_budget += 1
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(c.is_prefill for c in self.chunks.values())
+
+    def full(self) -> bool:
+        return self.token_budget <= 0 or self.seq_budget <= 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, clock: Clock,
+                 max_model_len: int | None = None) -> None:
+        from ecoserve.sched.policies import make_policy
+
+        self.config = config
+        self.clock = clock
+        self.max_model_len = max_model_len or config.max_model_len
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.policy = make_policy(config.policy)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._order: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._finished_since_step: list[str] = []
+        self.num_preemptions_total = 0
+        self.phase = "idle"  # of the last non-empty step: "prefill" if it computed any prompt chunk, else "decode"
+        self.last_phase_switch = clock.now()
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request; reject what could never run, leaving everything else untouched."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if self.max_model_len is not None and req.num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"the prompt has {req.num_prompt_tokens} tokens, more than max_model_len "
+                             f"({self.max_model_len})")
+        if req.max_model_len is None:
+            req.max_model_len = self.max_model_len
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if req.num_prompt_tokens + 1 > capacity:
+            raise ValueError(f"the prompt has {req.num_prompt_tokens} tokens but the KV cache holds only "
+                             f"{capacity} tokens in all")
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = next(self._counter)
+        self.waiting.append(req)
+
+    def abort_requests(self, request_ids) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.finished:
+                self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                aborted.append(req)
+        return aborted
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        if req.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        req.times.finished = self.clock.now()
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._order.pop(req.request_id, None)
+        self._finished_since_step.append(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the mechanism policies use ------------------------------------------------------
+    def schedule_running(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
+        """Give a running request its next tokens, preempting newer requests if KV runs out."""
+        n = min(req.num_tokens - req.num_computed_tokens, step.token_budget, max_tokens or 1 << 62)
+        if n <= 0 or step.seq_budget <= 0:
+            return False
+        while not self.kv.allocate_slots(req, n):
+            victim = max(self.running, key=lambda r: self._order[r.request_id])
+            self.preempt(victim, step)
+            if victim is req:
+                return False
+        step.add(req, n)
+        return True
+
+    def admit(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
+        """Move a waiting request into running with its first chunk, if the seat, budget and KV allow."""
+        if step.seq_budget <= 0 or step.token_budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return False
+        computed = self.kv.get_computed_blocks(req)
+        num_cached = len(computed) * self.kv.block_size
+        n = min(req.num_tokens - num_cached, step.token_budget, max_tokens or 1 << 62)
+        if not self.kv.allocate_slots(req, n, computed):
+            return False
+        self.waiting.remove(req)
+        if req.times.first_scheduled is None:
+            req.times.first_scheduled = self.clock.now()
+            req.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.add(req, n)
+        return True
+
+    def preempt(self, req: Request, step: StepBuilder) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        step.remove(req)
+        step.num_preempted += 1
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.policy.schedule(self, step)
+        chunks = tuple(step.chunks.values())
+        if chunks:
+            phase = "prefill" if step.has_prefill else "decode"
+            if phase != self.phase:
+                self.phase, self.last_phase_switch = phase, self.clock.now()
+        finished, self._finished_since_step = tuple(self._finished_since_step), []
+        return SchedulerOutput(
+            chunks=chunks,
+            block_tables={c.request.request_id: self.kv.block_ids(c.request.request_id) for c in chunks},
+            finished_ids=finished,
+        )
+
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Account a finished step: advance computed tokens, append sampled tokens, finish requests."""
+        now = self.clock.now()
+        done = []
+        for chunk in output.chunks:
+            req = chunk.request
+            if req.finished or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed_blocks(req)
+            if not chunk.samples:
+                continue
+            req.append_output_token(result.sampled[req.request_id])
+            if req.times.first_token is None:
+                req.times.first_token = now
+            req.times.last_token = now
+            status = req.check_stop_token()
+            if status is not None:
+                self.finish_request(req, status)
+                done.append(req)
+        return done
+
+    def status(self) -> SchedulerStatus:
+        reqs = tuple(
+            RequestProgress(r.request_id, r.times.arrival, r.times.first_token, r.num_prompt_tokens,
+                            r.num_output_tokens, r.num_computed_tokens, r.status.value)
+            for r in itertools.chain(self.running, self.waiting))
+        return SchedulerStatus(
+            time=self.clock.now(), phase=self.phase, last_phase_switch=self.last_phase_switch,
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size, num_preemptions=self.num_preemptions_total, requests=reqs)

@@ -1,0 +1,192 @@
+"""Performance models: predicted duration of one forward step of an instance.
+
+A batch is described per request by (num_new_tokens, context_len): the tokens computed this step
+and the tokens the request attends to once they are in (start + num_new). Two models:
+
+- `RooflinePerf`: max-like combination of compute time (GEMM FLOPs with token counts rounded up to
+  the GEMM tile, plus attention) and memory time (weights, KV reads and writes), plus
+  tensor-parallel all-reduces over the intra-node link, pipeline sends and a fixed per-step
+  overhead. Efficiencies are per-GPU knobs; L20's are calibrated on the TD-Pipe profile.
+- `TablePerf`: a measured `tokens,ms` CSV, linearly interpolated (extrapolated past its end),
+  plus an optional KV-read term that the tables (prefill-shaped) do not contain.
+"""
+from __future__ import annotations
+
+import bisect
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Protocol
+
+from ecoserve.sim.hardware import GPU, Link, gpu as get_gpu, link as get_link
+from ecoserve.sim.models import ModelSpec, model as get_model
+from ecoserve.sim.network import allreduce_time
+
+BatchShape = Iterable[tuple[int, int]]  # (num_new_tokens, context_len) per request
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """Aggregates of a batch that the models need; built once per step."""
+
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+    attn_pairs: float  # sum over requests of causal (query, key) pairs
+    kv_read_tokens: int  # context tokens whose KV is read
+
+    @classmethod
+    def of(cls, batch: BatchShape) -> "StepWork":
+        tokens = seqs = kv = 0
+        pairs = 0.0
+        for q, ctx in batch:
+            tokens += q
+            seqs += 1
+            start = ctx - q
+            pairs += q * start + q * (q + 1) / 2
+            kv += ctx
+        return cls(tokens, seqs, seqs, pairs, kv)
+
+
+class PerfModel(Protocol):
+    def step_time(self, batch: BatchShape) -> float: ...
+
+    def work_time(self, work: StepWork) -> float: ...
+
+    def predicted_prefill_time(self, num_tokens: int) -> float: ...
+
+
+class _Base:
+    def step_time(self, batch: BatchShape) -> float:
+        return self.work_time(StepWork.of(batch))
+
+    def predicted_prefill_time(self, num_tokens: int) -> float:
+        """One request's whole prompt in one step (Algorithm 1's offline profile by length)."""
+        n = max(int(num_tokens), 1)
+        return self.work_time(StepWork(n, 1, 1, n * (n + 1) / 2, n))
+
+    def decode_time(self, batch_size: int, mean_context: int) -> float:
+        return self.work_time(StepWork(batch_size, batch_size, batch_size, float(batch_size * mean_context),
+                                       batch_size * mean_context))
+
+
+@dataclass
+class RooflinePerf(_Base):
+    model: ModelSpec
+    gpu: GPU
+    tp: int = 1
+    pp: int = 1
+    link: Link | None = None  # TP all-reduce link; None: the GPU's intra-node link
+    pp_link: Link | None = None
+    flops_efficiency: float | None = None  # None: the GPU's default
+    bandwidth_efficiency: float | None = None
+    overhead_s: float = 3.0e-3
+    overlap_p: float = 3.0  # compute/memory overlap: p-norm exponent (inf = perfect overlap)
+    token_tile: int = 128  # GEMM row tile; token counts round up to it ...
+    small_tile: int = 16  # ... except skinny batches (<= small_tile tokens), which run as GEMV-like kernels
+    tp_efficiency: float = 1.0  # extra knob for TP scaling losses beyond the all-reduce
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if self.link is None:
+            self.link = get_link(self.gpu.intra_node_link)
+        if self.pp_link is None:
+            self.pp_link = self.link
+        f_eff = self.flops_efficiency or self.gpu.flops_efficiency
+        b_eff = self.bandwidth_efficiency or self.gpu.bandwidth_efficiency
+        n = self.tp * self.pp
+        self._flops = self.gpu.bf16_flops * f_eff * self.tp * self.tp_efficiency  # one stage at a time
+        self._bw = self.gpu.mem_bandwidth * b_eff * self.tp
+        self._weight_s = self.model.streamed_weight_bytes / self._bw
+        self._kv_bytes = self.model.kv_bytes_per_token
+        self._attn_flops_per_pair = 4.0 * self.model.num_layers * self.model.num_heads * self.model.head_dim
+        self._act_bytes_per_token = self.model.hidden_size * self.model.dtype_bytes
+        self._per_gpu_weights = self.model.weight_bytes / n
+
+    def tiled_tokens(self, n: int) -> int:
+        if n <= self.small_tile:
+            return self.small_tile
+        return -(-n // self.token_tile) * self.token_tile
+
+    def work_time(self, w: StepWork) -> float:
+        if w.num_tokens <= 0:
+            return 0.0
+        m = self.model
+        flops = (m.linear_flops_per_token * self.tiled_tokens(w.num_tokens) + m.lm_head_flops * w.num_sampled
+                 + self._attn_flops_per_pair * w.attn_pairs)
+        t_compute = flops / self._flops
+        t_memory = self._weight_s + (w.kv_read_tokens + w.num_tokens) * self._kv_bytes / self._bw
+        p = self.overlap_p
+        t = (t_compute ** p + t_memory ** p) ** (1.0 / p) if math.isfinite(p) else max(t_compute, t_memory)
+        if self.tp > 1:  # two all-reduces per layer of the step's activations
+            t += 2 * m.num_layers * allreduce_time(w.num_tokens * self._act_bytes_per_token, self.tp, self.link)
+        if self.pp > 1:
+            lk = self.pp_link
+            t += (self.pp - 1) * (lk.latency + w.num_tokens * self._act_bytes_per_token / (lk.bandwidth * lk.efficiency))
+        return t + self.overhead_s
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV tokens that fit: 90% of the instance's memory minus the weights."""
+        free = 0.9 * self.gpu.memory_bytes * self.tp * self.pp - self.model.weight_bytes
+        return max(int(free / self.model.kv_bytes_per_token), 0)
+
+
+@dataclass
+class TablePerf(_Base):
+    """A measured `tokens -> ms` profile (TD-Pipe's `Total Length,Execute Time` CSV)."""
+
+    tokens: list[int]
+    ms: list[float]
+    kv_bytes_per_token: float = 0.0  # > 0 adds KV reads at `kv_bandwidth` (tables do not include them)
+    kv_bandwidth: float = 1.0
+    scale: float = 1.0  # e.g. 1/pp for TD-Pipe's single-GPU-equivalent tables
+
+    @classmethod
+    def from_csv(cls, path: str | Path, **kw) -> "TablePerf":
+        rows = []
+        with open(path, newline="") as f:
+            for row in csv.reader(f):
+                try:
+                    rows.append((int(float(row[0])), float(row[1])))
+                except (ValueError, IndexError):
+                    continue  # header
+        if not rows:
+            raise ValueError(f"{path}: no 'tokens,ms' rows found")
+        rows.sort()
+        return cls([r[0] for r in rows], [r[1] for r in rows], **kw)
+
+    def table_ms(self, n: float) -> float:
+        xs, ys = self.tokens, self.ms
+        if n <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_left(xs, n)
+        if i >= len(xs):  # extrapolate along the last stretch's slope
+            j = max(len(xs) - 1 - max(len(xs) // 8, 1), 0)
+            slope = (ys[-1] - ys[j]) / max(xs[-1] - xs[j], 1)
+            return ys[-1] + slope * (n - xs[-1])
+        x0, x1 = xs[i - 1], xs[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - x0) / (x1 - x0)
+
+    def work_time(self, w: StepWork) -> float:
+        if w.num_tokens <= 0:
+            return 0.0
+        t = self.table_ms(w.num_tokens) * 1e-3 * self.scale
+        if self.kv_bytes_per_token:
+            t += w.kv_read_tokens * self.kv_bytes_per_token / self.kv_bandwidth
+        return t
+
+
+def make_perf(model: str | ModelSpec, gpu: str | GPU = "L20", tp: int = 1, pp: int = 1,
+              profile: str | Path | None = None, **knobs) -> _Base:
+    """A roofline for (model, gpu, tp, pp), or a measured table when `profile` names a CSV."""
+    spec = get_model(model) if isinstance(model, str) else model
+    dev = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if profile is not None:
+        return TablePerf.from_csv(profile, kv_bytes_per_token=spec.kv_bytes_per_token / tp,
+                                  kv_bandwidth=dev.mem_bandwidth * dev.bandwidth_efficiency, **knobs)
+    if isinstance(knobs.get("link"), str):
+        knobs["link"] = get_link(knobs["link"])
+    return RooflinePerf(spec, dev, tp=tp, pp=pp, **knobs)

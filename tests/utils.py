@@ -1,0 +1,194 @@
+"""Shared test helpers: a tiny in-process tokenizer, tiny random HF checkpoints, HF references.
+
+Every correctness test compares ecoserve with HF transformers through `hf_greedy` /
+`hf_logprobs` / `hf_logits` (batch 1, no padding, greedy), so all tests use one reference.
+Keep this API stable: other test packages import it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+# Chat turns are `<|role|>\ncontent</s>\n`; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Once upon a time there was a small village at the edge of a great forest. The people of the village
+grew wheat and barley, kept goats and bees, and told stories in the evening by the fire.
+Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.
+Madrid is the capital of Spain, and Lisbon is the capital of Portugal. London is a large city.
+Computers follow instructions written by programmers. A program reads input, computes, and writes output.
+Numbers: one two three four five six seven eight nine ten eleven twelve 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+What is your name? How are you today? Where do you live? Why is the sky blue? When will it rain?
+The weather was cold and windy, so she wore a warm coat, a hat and gloves before going outside.
+Language models predict the next token of a text. Serving them quickly needs batching and caching.
+Hello, world! Thank you very much. Please answer the question in one short sentence.
+The sun rises in the east and sets in the west. Water boils at one hundred degrees Celsius.
+Cats and dogs are popular pets; birds sing in the morning, and fish swim in the river near the hill.
+"""
+VOCAB_SIZE = 512
+
+_ARCHS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[PAD, BOS, EOS, *ROLE_TOKENS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    return tok.to_str()
+
+
+def make_tokenizer():
+    """A ~500-token byte-level BPE (pad=0, bos=1, eos=2, role tokens 3-5) with a chat template.
+
+    `encode` adds no special tokens; the chat template starts with BOS. Trained once per
+    process; each call returns a fresh wrapper, so callers may mutate it.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()), bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS), chat_template=CHAT_TEMPLATE)
+
+
+def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, num_layers: int = 2,
+                         tie_word_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None,
+                         max_shard_size: str | int | None = None, initializer_range: float = 0.15,
+                         seed: int = 0, generation_config: dict[str, Any] | None = None,
+                         **config_overrides: Any) -> Path:
+    """Write a random-weight HF checkpoint (float32 safetensors + tokenizer + generation_config).
+
+    arch: llama | mistral | qwen2 | qwen3. `rope_scaling` e.g. {"rope_type": "linear", "factor": 2.0}.
+    `max_shard_size` (e.g. "20KB") writes sharded safetensors with an index. The wide
+    initializer_range keeps argmax margins large, so greedy comparisons are not flaky.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if arch not in _ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(_ARCHS)}, got {arch!r}")
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    kwargs: dict[str, Any] = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        initializer_range=initializer_range, tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    rope = {"rope_type": "default", "rope_theta": config_overrides.pop("rope_theta", 10000.0)}
+    rope.update(rope_scaling or {})
+    kwargs["rope_parameters"] = rope
+    kwargs.update(config_overrides)
+    config = getattr(transformers, _ARCHS[arch])(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _spread_norm_weights(model, seed)
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **save_kwargs)
+    tokenizer.save_pretrained(path)
+    gen = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    gen.update(generation_config or {})
+    GenerationConfig(**gen).save_pretrained(path)
+    return path
+
+
+def _spread_norm_weights(model: torch.nn.Module, seed: int) -> None:
+    # HF initialises norm weights to 1 and biases to 0; random values also exercise those paths
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+@functools.lru_cache(maxsize=16)
+def _hf_model(path: str, mtime_ns: int, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The HF transformers model of a checkpoint directory (cached per process)."""
+    path = Path(path)
+    return _hf_model(str(path), (path / "config.json").stat().st_mtime_ns, dtype)
+
+
+def hf_logits(path: str | Path, token_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """HF float32 logits [len(token_ids), vocab] of one sequence starting at position 0."""
+    with torch.no_grad():
+        out = hf_model(path, dtype)(torch.tensor([token_ids]))
+    return out.logits[0].float()
+
+
+def _generate(path: str | Path, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool,
+              dtype: torch.dtype, **kwargs: Any):
+    from transformers import GenerationConfig
+
+    model = hf_model(path, dtype)
+    eos = None if ignore_eos else model.generation_config.eos_token_id
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=model.generation_config.pad_token_id, **kwargs)
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                              generation_config=config)
+
+
+def hf_greedy(path: str | Path, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
+              dtype: torch.dtype = torch.float32) -> list[int]:
+    """HF greedy continuation of one prompt: the new tokens, ending with EOS if it was generated."""
+    out = _generate(path, prompt_ids, max_new_tokens, ignore_eos, dtype)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logprobs(path: str | Path, prompt_ids: list[int], max_new_tokens: int, num_logprobs: int = 5, *,
+                ignore_eos: bool = False, dtype: torch.dtype = torch.float32) -> tuple[list[int], list[dict[int, float]]]:
+    """HF greedy tokens and, per generated token, the top-`num_logprobs` {token_id: logprob} plus the chosen one."""
+    out = _generate(path, prompt_ids, max_new_tokens, ignore_eos, dtype, output_logits=True,
+                    return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    steps = []
+    for token, logits in zip(tokens, out.logits):
+        logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+        top = logprobs.topk(num_logprobs)
+        entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+        entry[token] = logprobs[token].item()
+        steps.append(entry)
+    return tokens, steps
+
+
+def prompts(n: int = 8, seed: int = 0, min_len: int = 3, max_len: int = 40) -> list[list[int]]:
+    """Deterministic random prompts of varied length over the tiny tokenizer's ordinary tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    low = 3 + len(ROLE_TOKENS)  # skip pad/bos/eos and role tokens
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+        out.append(torch.randint(low, VOCAB_SIZE, (length,), generator=gen).tolist())
+    return out
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
