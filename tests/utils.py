@@ -117,7 +117,9 @@ def _spread_norm_weights(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name == "model.norm.weight":  # wider logits: larger argmax margins
+                p.copy_(2.5 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
@@ -143,35 +145,44 @@ def hf_logits(path: str | Path, token_ids: list[int], dtype: torch.dtype = torch
     return out.logits[0].float()
 
 
-def _generate(path: str | Path, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool,
-              dtype: torch.dtype, **kwargs: Any):
-    from transformers import GenerationConfig
+def _greedy_steps(path: str | Path, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool,
+                  dtype: torch.dtype) -> tuple[list[int], list[torch.Tensor]]:
+    """HF greedy decoding with its KV cache, one token at a time: (new tokens, raw logits per step).
 
+    A plain loop rather than `generate`, so that ignore_eos never masks EOS (it only does not stop).
+    """
     model = hf_model(path, dtype)
-    eos = None if ignore_eos else model.generation_config.eos_token_id
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                              pad_token_id=model.generation_config.pad_token_id, **kwargs)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    tokens, logits_per_step, past = [], [], None
+    ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        return model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                              generation_config=config)
+        for _ in range(max_new_tokens):
+            out = model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            logits_per_step.append(logits)
+            if token in eos and not ignore_eos:
+                break
+            ids = torch.tensor([[token]])
+    return tokens, logits_per_step
 
 
 def hf_greedy(path: str | Path, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
               dtype: torch.dtype = torch.float32) -> list[int]:
     """HF greedy continuation of one prompt: the new tokens, ending with EOS if it was generated."""
-    out = _generate(path, prompt_ids, max_new_tokens, ignore_eos, dtype)
-    return out[0, len(prompt_ids):].tolist()
+    return _greedy_steps(path, prompt_ids, max_new_tokens, ignore_eos, dtype)[0]
 
 
 def hf_logprobs(path: str | Path, prompt_ids: list[int], max_new_tokens: int, num_logprobs: int = 5, *,
                 ignore_eos: bool = False, dtype: torch.dtype = torch.float32) -> tuple[list[int], list[dict[int, float]]]:
     """HF greedy tokens and, per generated token, the top-`num_logprobs` {token_id: logprob} plus the chosen one."""
-    out = _generate(path, prompt_ids, max_new_tokens, ignore_eos, dtype, output_logits=True,
-                    return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tokens, step_logits = _greedy_steps(path, prompt_ids, max_new_tokens, ignore_eos, dtype)
     steps = []
-    for token, logits in zip(tokens, out.logits):
-        logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+    for token, logits in zip(tokens, step_logits):
+        logprobs = torch.log_softmax(logits, dim=-1)
         top = logprobs.topk(num_logprobs)
         entry = dict(zip(top.indices.tolist(), top.values.tolist()))
         entry[token] = logprobs[token].item()
@@ -192,3 +203,97 @@ def prompts(n: int = 8, seed: int = 0, min_len: int = 3, max_len: int = 40) -> l
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+class PerSequenceAttention:
+    """Test backend for a flattened batch of whole sequences: causal attention within each one, no cache."""
+
+    def __init__(self, seq_lens: list[int]) -> None:
+        self.seq_lens = list(seq_lens)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        from ecoserve.model.attention import DenseCausalAttention
+
+        dense = DenseCausalAttention()
+        return torch.cat([dense(layer_idx, qs, ks, vs, scale) for qs, ks, vs in
+                          zip(q.split(self.seq_lens), k.split(self.seq_lens), v.split(self.seq_lens))])
+
+
+def dense_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """ecoserve model, greedy, recomputing the whole sequence each token (no KV cache): a cache-free reference."""
+    from ecoserve.model.attention import DenseCausalAttention
+
+    ids, out = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention())
+            token = int(model.compute_logits(hidden[-1:]).argmax(-1))
+            out.append(token)
+            ids.append(token)
+    return out
+
+
+def llama_cpp_permute(w, n_heads: int):
+    """llama.cpp's q/k row order (numpy [rows, cols]): each head's two rotary halves interleaved row by row."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+_GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def make_tiny_gguf(ckpt: str | Path, out: str | Path) -> Path:
+    """Write a float32 llama GGUF (weights, metadata, tokenizer, chat template) of a tiny llama checkpoint."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    ckpt, out = Path(ckpt), Path(out)
+    cfg = read_json(ckpt / "config.json")
+    if cfg.get("model_type") != "llama":
+        raise ValueError(f"make_tiny_gguf writes llama checkpoints only, got {cfg.get('model_type')!r}")
+    w = GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    tok = json.loads(make_tokenizer().backend_tokenizer.to_str())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])  # 3: control token
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, t in load_file(ckpt / "model.safetensors").items():
+        a = t.numpy()
+        if name in _GGUF_NAMES:
+            gguf_name = _GGUF_NAMES[name]
+        else:
+            parts = name.split(".")  # model.layers.N.<module>.<weight|bias>
+            gguf_name = f"blk.{parts[2]}.{_GGUF_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if name.endswith("q_proj.weight"):
+            a = llama_cpp_permute(a, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            a = llama_cpp_permute(a, cfg["num_key_value_heads"])
+        w.add_tensor(gguf_name, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -126,7 +126,7 @@ def _synthetic(name: str) -> Callable[..., list[SampleRequest]]:
         out_lens = lognormal_lens(rng, mean_out, args.num_prompts)
         return _from_lengths(in_lens, out_lens, tokenizer, rng, as_text)
     build.__doc__ = (f"{name}: log-normal lengths (sigma {SYNTHETIC_SIGMA}) with the published means "
-                     f"{SYNTHETIC_MEANS[name][0]}/{SYNTHETIC_MEANS[name][1]} input/output tokens; random-token prompts.")
+                     f"{SYNTHETIC_MEANS[name][0]}/{SYNTHETIC_MEANS[name][1]} input/output tokens.")
     return build
 
 

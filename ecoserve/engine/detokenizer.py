@@ -35,6 +35,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._text = ""
         self._flushed = False
+        self._num_tokens = 0
         self.stop_reason: str | None = None  # the stop string that ended the text, if any
 
     @property
@@ -47,10 +48,15 @@ class IncrementalDetokenizer:
         return self.stop_reason is not None
 
     def append(self, token_id: int) -> str | None:
-        """Add one output token; returns the stop string if one now appears in the text."""
+        """Add one output token; returns the stop string if one now appears in the text.
+
+        Like stop token ids, stop strings count only once min_tokens tokens are out; one
+        completed earlier stays ordinary text.
+        """
         if self.stop_reason is not None or not self.params.detokenize:
             return None
         self._ids.append(token_id)
+        self._num_tokens += 1
         return self._add_text(self._decode_new(final=False))
 
     def text_so_far(self, final: bool = False) -> str:
@@ -96,7 +102,7 @@ class IncrementalDetokenizer:
             return None
         start = len(self._text)
         self._text += new
-        if not self.stop:
+        if not self.stop or self._num_tokens < self.params.min_tokens:
             return None
         # A new match must end inside the new text, so it starts at most (len - 1) before it.
         search_from = max(0, start - self._max_stop + 1)

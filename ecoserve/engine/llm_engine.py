@@ -134,7 +134,9 @@ class LLMEngine:
         self._parents[request_id] = parent
         self.stats["prompt_tokens"] += len(token_ids)
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_request(self, request_ids: str | list[str]) -> list[str]:
+        """Abort unfinished requests and free their KV; returns the ids that were still unfinished."""
+        aborted = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             parent = self._parents.pop(rid, None)
             if parent is None:
@@ -142,6 +144,8 @@ class LLMEngine:
             self.scheduler.abort_requests([c.request.request_id for c in parent.children])
             for c in parent.children:
                 self._child_to_parent.pop(c.request.request_id, None)
+            aborted.append(rid)
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)

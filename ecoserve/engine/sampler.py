@@ -101,19 +101,20 @@ class Sampler:
         sub = apply_truncation(sub, [rows[i].params for i in idx])
         probs = torch.softmax(sub, dim=-1)
 
+        # Exp(1) noise as -log(U): several times faster than exponential_() on CPU.
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(idx) if rows[i].generator is None]
         if len(unseeded) == len(idx):
-            noise.exponential_()
+            noise.uniform_()
         else:
             for j, i in enumerate(idx):
                 gen = rows[i].generator
                 if gen is not None:
-                    noise[j].exponential_(generator=gen)
+                    noise[j].uniform_(generator=gen)
             if unseeded:
-                noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_()
-        # A zero draw would give 0/0 on masked tokens; the floor changes nothing measurable.
-        noise.clamp_min_(1e-20)
+                noise[unseeded] = torch.rand((len(unseeded), probs.shape[1]), device=device)
+        # U = 0 gives infinite noise, so a score of 0: that token just loses this draw.
+        noise.log_().neg_()
         tokens[idx] = probs.div_(noise).argmax(dim=-1)
         return tokens
 
@@ -125,6 +126,7 @@ class Sampler:
         lp = torch.log_softmax(raw[idx], dim=-1)
         chosen = tokens[idx]
         sampled = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        chosen_ids = chosen.tolist()
         most = min(max(rows[i].params.logprobs for i in idx), lp.shape[1])
         top_vals, top_ids = lp.topk(most, dim=-1)
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
@@ -134,7 +136,7 @@ class Sampler:
         for j, i in enumerate(idx):
             k = rows[i].params.logprobs
             entry = dict(zip(top_ids[j][:k], top_vals[j][:k]))
-            entry.setdefault(int(chosen[j]), sampled[j])
+            entry.setdefault(chosen_ids[j], sampled[j])
             sampled_out[i] = sampled[j]
             top_out[i] = entry
         return sampled_out, top_out
@@ -190,37 +192,45 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 def apply_truncation(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """New logits with -inf outside top-k, then top-p (renormalized after top-k), then min-p.
 
-    Works through one cutoff logit per row, so tokens tied with the last kept one stay too.
+    Works through one cutoff per row, so tokens tied with the last kept one stay too.
     """
     n, vocab = logits.shape
     device = logits.device
-    cutoff = torch.full((n,), _NEG_INF, device=device)
-
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     ps = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
     need = [j for j in range(n) if ks[j] or ps[j] < 1.0]
     if need:
-        # Sort only as far as needed: rows with top-p but no top-k need the whole vocab.
-        width = vocab if any(ps[j] < 1.0 and not ks[j] for j in need) else max(ks[j] for j in need)
-        vals = logits[need].topk(width, dim=-1, sorted=True).values
-        k = torch.tensor([ks[j] or width for j in need], device=device)
-        pos = torch.arange(width, device=device)
-        vals = vals.masked_fill(pos.unsqueeze(0) >= k.unsqueeze(1), _NEG_INF)
+        sub = logits[need]
+        probs = torch.softmax(sub, dim=-1)
+        k = [ks[j] or vocab for j in need]
         top_p = torch.tensor([ps[j] if ps[j] < 1.0 else math.inf for j in need], device=device)
-        probs = torch.softmax(vals, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        keep = (mass_before < top_p.unsqueeze(1)) & (pos.unsqueeze(0) < k.unsqueeze(1))
+        # A full sort costs ~100x a partial one: widen the partial sort until every top-p row
+        # without top-k has reached its mass (top-k rows need only their k).
+        open_rows = torch.tensor([not ks[j] for j in need], device=device)
+        width = min(vocab, max([kk for kk in k if kk < vocab] + [64]))
+        while True:
+            vals = probs.topk(width, dim=-1, sorted=True).values
+            if width == vocab or not (open_rows & (vals.sum(dim=-1) < top_p)).any():
+                break
+            width = min(vocab, width * 4)
+        pos = torch.arange(width, device=device).unsqueeze(0)
+        in_k = pos < torch.tensor(k, device=device).unsqueeze(1)
+        vals = vals.masked_fill(~in_k, 0.0)
+        mass = torch.where(open_rows, torch.ones_like(top_p), vals.sum(dim=-1))  # renormalizer
+        keep = ((vals.cumsum(dim=-1) - vals) < (top_p * mass).unsqueeze(1)) & in_k
         keep[:, 0] = True
-        last = keep.sum(dim=-1) - 1  # the kept positions are a prefix of the sorted order
-        cutoff[need] = vals.gather(1, last.unsqueeze(1)).squeeze(1)
+        last = keep.sum(dim=-1, keepdim=True) - 1  # kept positions are a prefix of the sorted order
+        sub = sub.masked_fill(probs < vals.gather(1, last), _NEG_INF)
+        logits = logits.clone()
+        logits[need] = sub
 
-    min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
         # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p); unaffected by renormalizing.
         log_min_p = torch.tensor([math.log(m) if m > 0.0 else _NEG_INF for m in min_p], device=device)
-        cutoff = torch.maximum(cutoff, logits.max(dim=-1).values + log_min_p)
-
-    return logits.masked_fill(logits < cutoff.unsqueeze(1), _NEG_INF)
+        cutoff = logits.max(dim=-1).values + log_min_p
+        logits = logits.masked_fill(logits < cutoff.unsqueeze(1), _NEG_INF)
+    return logits
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -236,7 +246,8 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torc
     return counts[:, :vocab]
 
 
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor | Sequence[int], k: int) -> list[dict[int, float]]:
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor | Sequence[int],
+                    k: int) -> list[dict[int, float]]:
     """For each prompt position: logprob of the actual next prompt token plus the top-k.
 
     `logits[t]` is the model output at position t and `next_token_ids[t]` the prompt token at

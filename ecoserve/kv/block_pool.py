@@ -99,6 +99,11 @@ class BlockPool:
         block.parent, block.parent_hash = parent, (parent.block_hash if parent else None)
         self._cached[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.clear_cache_entry()
+
     def reset_prefix_cache(self) -> None:
         for block in self._cached.values():
             block.clear_cache_entry()

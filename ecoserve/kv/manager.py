@@ -72,8 +72,13 @@ class KVCacheManager:
             owned.extend(self.pool.allocate(need))
         return True
 
-    def cache_computed_blocks(self, req: Request) -> None:
-        """Index the request's blocks that are full and whose KV is now computed."""
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Index the request's full blocks among its first `num_tokens` tokens.
+
+        Called when a chunk is scheduled: the blocks it completes are written during this step's
+        forward pass, before any attention reads them (each layer writes all new KV first), so a
+        request admitted later in the same step may share them.
+        """
         if not self.enable_prefix_caching:
             return
         owned = self._blocks.get(req.request_id)
@@ -81,7 +86,7 @@ class KVCacheManager:
             return
         bs = self.block_size
         done = self._num_cached.get(req.request_id, 0)
-        full = min(req.num_computed_tokens // bs, len(owned))
+        full = min(num_tokens // bs, len(owned))
         for i in range(done, full):
             ids = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
             parent = owned[i - 1] if i else None
@@ -94,8 +99,17 @@ class KVCacheManager:
             done = i + 1
         self._num_cached[req.request_id] = done
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, uncomputed_from: int | None = None) -> None:
+        """Release the request's blocks; those from token `uncomputed_from` on leave the prefix index.
+
+        A request preempted in the step that scheduled it never computes the blocks indexed for
+        that step, so they must not serve later hits.
+        """
         blocks = self._blocks.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
-        if blocks:
-            self.pool.free(blocks[::-1])
+        if not blocks:
+            return
+        if uncomputed_from is not None:
+            for block in blocks[uncomputed_from // self.block_size:]:
+                self.pool.uncache(block)
+        self.pool.free(blocks[::-1])

@@ -114,14 +114,11 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our parameters (casting to our dtype); raise if any is missing."""
-        params = dict(self.named_parameters())
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         needed: set[tuple[str, int]] = set()
-        for name, p in params.items():
-            for fused, shard in self._FUSED.values():
-                if f".{fused}." in name:
-                    needed.add((name, shard))
-            if not any(f".{fused}." in name for fused, _ in self._FUSED.values()):
-                needed.add((name, -1))
+        for name in params:
+            module = name.split(".")[-2]
+            needed |= {(name, s) for f, s in self._FUSED.values() if f == module} or {(name, -1)}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.spec.tie_word_embeddings):

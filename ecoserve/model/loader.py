@@ -35,12 +35,15 @@ class LoadedModel:
     path: Path = Path()
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
-    """'auto' is float32 (CPU kernels are fastest and exact in float32); else the named dtype."""
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
+                  checkpoint_dtype: str | None = None) -> torch.dtype:
+    """'auto': float32 on CPU (fast, exact); on accelerators the checkpoint's half dtype, else bfloat16."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.float32
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
@@ -59,8 +62,10 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
             raise ModelLoadError(f"GGUF file {model} does not exist")
         from ecoserve.model.gguf import cached_conversion
         return cached_conversion(local)
-    if local.exists() or model.startswith((".", "/", "~")):
+    if local.exists():
         raise ModelLoadError(f"{model} is not a model directory or .gguf file")
+    if model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"{model} does not exist (expected a model directory, a .gguf file or a hub id)")
     return _download(model, revision)
 
 
@@ -75,10 +80,12 @@ def _download(repo_id: str, revision: str | None) -> Path:
         raise ModelLoadError(f"{repo_id!r} is neither a local directory, a .gguf file, nor a valid "
                              f"Hugging Face hub id (org/name)") from None
     except LocalEntryNotFoundError:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+        from huggingface_hub import constants
+
+        offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false")
         why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
         raise ModelLoadError(f"model {repo_id!r} is not a local path and is not in the Hugging Face cache, and "
-                             f"{why}; download it first (huggingface-cli download {repo_id}) or pass a local "
+                             f"{why}; download it first (hf download {repo_id}) or pass a local "
                              f"directory") from None
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise ModelLoadError(f"model {repo_id!r} (revision {revision or 'main'}) not found on the Hugging Face "
@@ -154,9 +161,10 @@ def _ids(value: Any) -> set[int]:
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
     """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded)."""
-    torch_dtype = resolve_dtype(dtype, device)
+    resolve_dtype(dtype)  # reject a bad name before any download or conversion
     path = resolve_model_path(model, revision)
     spec = ModelSpec.from_dir(path)
+    torch_dtype = resolve_dtype(dtype, device, spec.torch_dtype)
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
                        "differ from the reference past that length", spec.architecture, spec.sliding_window)

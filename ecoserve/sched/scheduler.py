@@ -136,6 +136,7 @@ class Scheduler:
             if victim is req:
                 return False
         step.add(req, n)
+        self.kv.cache_blocks(req, req.num_computed_tokens + n)
         return True
 
     def admit(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
@@ -155,6 +156,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         step.add(req, n)
+        self.kv.cache_blocks(req, num_cached + n)
         return True
 
     def preempt(self, req: Request, step: StepBuilder) -> None:
@@ -162,7 +164,7 @@ class Scheduler:
         step.remove(req)
         step.num_preempted += 1
         self.running.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, uncomputed_from=req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -195,7 +197,6 @@ class Scheduler:
             if req.finished or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed_blocks(req)
             if not chunk.samples:
                 continue
             req.append_output_token(result.sampled[req.request_id])

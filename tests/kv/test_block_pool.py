@@ -76,7 +76,7 @@ def _compute(mgr, req):
     req.num_computed_tokens = 0
     assert mgr.allocate_slots(req, req.num_tokens - len(cached) * mgr.block_size, cached)
     req.num_computed_tokens = req.num_tokens
-    mgr.cache_computed_blocks(req)
+    mgr.cache_blocks(req, req.num_tokens)
     return cached
 
 

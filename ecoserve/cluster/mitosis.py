@@ -1,0 +1,133 @@
+"""Mitosis scaling of macro instances (paper A7), as pure decisions over a topology.
+
+The controller owns the topology (macro id -> instance ids, a free pool, draining instances) and
+returns the actions it took, which the caller mirrors into its routers. Decisions the paper
+leaves open, as taken here:
+- Expand when a macro instance's tracked mean TTFT (the caller's window; the simulator includes
+  the age of requests still waiting in the router) exceeds the TTFT SLO; one instance per action.
+- Split when adding would exceed N_u: the new macro instance gets N_l instances (the added one and
+  N_l - 1 moved from the original), so `n_upper >= 2 * n_lower - 1` keeps both within bounds.
+- Contract when a macro instance's saved TPOT (the caller's aggregate: mean over its instances of
+  the instance mean) exceeds `contract_factor * S_TTFT * (n+1)/n` (T_TTFT read as the TTFT SLO).
+  The instance comes from the smallest macro instance above N_l, else from the largest; it drains
+  (finishes its requests, receives nothing) and then returns to the free pool.
+- Merge two macro instances whenever together they hold at most N_u (smallest two first).
+- `cooldown_s` between actions on the same macro instance keeps one signal from firing twice.
+Moving an instance moves only its handle: its requests stay on it, so no request is lost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MitosisConfig:
+    n_lower: int
+    n_upper: int
+    ttft_slo: float
+    contract_factor: float = 1.0
+    cooldown_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_lower <= self.n_upper:
+            raise ValueError(f"need 1 <= n_lower <= n_upper, got {self.n_lower}, {self.n_upper}")
+        if self.n_upper < 2 * self.n_lower - 1:
+            raise ValueError(f"n_upper must be >= 2*n_lower - 1 = {2 * self.n_lower - 1} so that a split "
+                             f"leaves two macro instances of at least n_lower; got {self.n_upper}")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "add" | "split" | "drain" | "merge" | "release"
+    macro: int
+    instances: tuple[int, ...] = ()
+    other: int | None = None  # new macro (split) or absorbed macro (merge)
+
+
+@dataclass
+class MitosisController:
+    config: MitosisConfig
+    macros: dict[int, list[int]]
+    free: list[int] = field(default_factory=list)
+    draining: set[int] = field(default_factory=set)
+    _last_action: dict[int, float] = field(default_factory=dict)
+    _next_macro: int = 0
+
+    def __post_init__(self) -> None:
+        self._next_macro = max(self.macros, default=-1) + 1
+
+    def _cooling(self, macro: int, now: float) -> bool:
+        return now - self._last_action.get(macro, -1e18) < self.config.cooldown_s
+
+    def step(self, now: float, mean_ttft: dict[int, float], saved_tpot: dict[int, float | None]) -> list[Action]:
+        """One control decision per macro instance; returns the actions applied to the topology."""
+        actions: list[Action] = []
+        for m in sorted(self.macros):
+            if m not in self.macros or self._cooling(m, now):
+                continue
+            n = len(self.macros[m])
+            if mean_ttft.get(m, 0.0) > self.config.ttft_slo:
+                act = self.expand(m)
+            else:
+                saved = saved_tpot.get(m)
+                limit = self.config.contract_factor * self.config.ttft_slo * (n + 1) / n
+                act = self.contract() if saved is not None and saved > limit else None
+            if act:
+                actions.extend(act)
+                for a in act:
+                    self._last_action[a.macro] = now
+                    if a.other is not None:
+                        self._last_action[a.other] = now
+        return actions
+
+    def expand(self, m: int) -> list[Action]:
+        if not self.free:
+            return []
+        iid = self.free.pop(0)
+        members = self.macros[m]
+        if len(members) < self.config.n_upper:
+            members.append(iid)
+            return [Action("add", m, (iid,))]
+        new = self._next_macro
+        self._next_macro += 1
+        k = self.config.n_lower - 1
+        moved = tuple(members[len(members) - k:]) if k else ()
+        del members[len(members) - k:]
+        self.macros[new] = [*moved, iid]
+        return [Action("split", m, (iid, *moved), other=new)]
+
+    def contract(self) -> list[Action]:
+        nl = self.config.n_lower
+        above = [m for m in self.macros if len(self.macros[m]) > nl]
+        if above:
+            m = min(above, key=lambda k: (len(self.macros[k]), k))
+        else:
+            if len(self.macros) <= 1 or all(len(v) <= 1 for v in self.macros.values()):
+                return []
+            m = max(self.macros, key=lambda k: (len(self.macros[k]), -k))
+            if len(self.macros[m]) <= 1:
+                return []
+        iid = self.macros[m].pop()
+        self.draining.add(iid)
+        return [Action("drain", m, (iid,))] + self.merge_small()
+
+    def merge_small(self) -> list[Action]:
+        acts = []
+        while len(self.macros) > 1:
+            a, b = sorted(self.macros, key=lambda k: (len(self.macros[k]), k))[:2]
+            if len(self.macros[a]) + len(self.macros[b]) > self.config.n_upper:
+                break
+            keep, gone = (a, b) if len(self.macros[a]) >= len(self.macros[b]) else (b, a)
+            self.macros[keep].extend(self.macros.pop(gone))
+            acts.append(Action("merge", keep, (), other=gone))
+        return acts
+
+    def release(self, instance_id: int) -> Action:
+        """A drained instance has no requests left: back to the free pool."""
+        self.draining.discard(instance_id)
+        self.free.append(instance_id)
+        return Action("release", -1, (instance_id,))
+
+    def count(self) -> dict[str, int]:
+        return {"active": sum(len(v) for v in self.macros.values()), "free": len(self.free),
+                "draining": len(self.draining), "macros": len(self.macros)}

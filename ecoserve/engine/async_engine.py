@@ -1,0 +1,234 @@
+"""AsyncEngine: the synchronous LLMEngine stepped by a background thread, streamed to asyncio.
+
+Adds and aborts travel to the engine thread through a queue and are applied between steps, so
+the engine itself stays single-threaded. Each request's outputs reach its consumer on the event
+loop through `loop.call_soon_threadsafe`; outputs are cumulative, so a slow consumer simply sees
+the newest one. Closing a stream before it finishes (a client that went away) aborts the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Protocol
+
+from ecoserve.engine.llm_engine import LLMEngine
+from ecoserve.request import RequestOutput
+from ecoserve.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an exception; no request can be served any more."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The server is shutting down and no longer serves this request."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its limit; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class StepObserver(Protocol):
+    """Called on the engine thread: after each step with its outputs, and with the ids of aborted requests."""
+
+    def on_step(self, outputs: list[RequestOutput]) -> None: ...
+
+    def on_abort(self, request_ids: list[str]) -> None: ...
+
+
+class _Stream:
+    """The newest output (or an error) of one request, handed from the engine thread to one consumer."""
+
+    def __init__(self) -> None:
+        self.latest: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.event = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self.latest = output
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+
+_STOP = ("stop",)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 observer: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = engine.config.scheduler.max_waiting if max_waiting is None else max_waiting
+        self.observer = observer
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = True
+        self.dead_error: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the streams."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="ecoserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new requests; those still running after `grace_s` seconds get an error."""
+        if not self._accepting:
+            return
+        self._accepting = False
+        logger.info("shutting down: %d request(s) in flight get %.1f s to finish", len(self._streams), grace_s)
+        assert self._loop is not None
+        self._loop.call_later(grace_s, self._fail_all, EngineShutdownError("the server is shutting down"))
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine thread; requests still streaming get EngineShutdownError."""
+        self._accepting = False
+        self._fail_all(EngineShutdownError("the server is shutting down"))
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
+        if self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %.1f s; leaving it (daemon)", timeout_s)
+
+    # ---- requests ------------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        """Requests queued but not yet running: the scheduler's waiting queue plus adds not yet applied."""
+        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request and return its stream of cumulative outputs, the last one with `finished` set.
+
+        Raises at once (nothing queued) on a bad prompt (ValueError), a dead engine, shutdown or a
+        full waiting queue. Closing the stream early aborts the request.
+        """
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead_error!r}")
+        if not self._accepting or self._thread is None:
+            raise EngineShutdownError("the server is shutting down" if self._thread else "the engine is not started")
+        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+            raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.validate_prompt(prompt_token_ids)
+        arrival = self.engine.clock.now() if arrival_time is None else arrival_time
+        stream = _Stream()
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids},
+                            params, arrival))
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    raise stream.error
+                output = stream.latest
+                if output is None:
+                    continue
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished:  # the consumer went away, or an error: free the request's KV
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # ---- the loop side -------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.fail(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            if stream.error is None:
+                stream.fail(error)
+
+    def _call_soon(self, fn, *args) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed under us during interpreter shutdown
+            pass
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _apply(self, command: tuple[Any, ...]) -> None:
+        kind, request_id = command[0], command[1]
+        if kind == "add":
+            try:
+                self.engine.add_request(request_id, command[2], command[3], arrival_time=command[4])
+            except Exception as e:  # a bad request must not take the loop down
+                self._call_soon(self._fail, request_id, e)
+        elif kind == "abort":
+            aborted = self.engine.abort_request(request_id)
+            if aborted and self.observer is not None:
+                self.observer.on_abort(aborted)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Block for work only when idle; otherwise take what has arrived and step.
+                commands = [self._commands.get()] if not engine.has_unfinished_requests() else []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for command in commands:
+                    if command is _STOP:
+                        return
+                    self._apply(command)
+                if not engine.has_unfinished_requests():
+                    continue
+                outputs = engine.step()
+                if self.observer is not None:
+                    self.observer.on_step(outputs)
+                if outputs:
+                    self._call_soon(self._deliver, outputs)
+                else:
+                    time.sleep(0.001)  # nothing schedulable this step: do not spin
+        except BaseException as e:
+            logger.exception("the engine loop died")
+            self.dead_error = e
+            self._call_soon(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))

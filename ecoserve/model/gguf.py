@@ -1,0 +1,172 @@
+"""GGUF (llama.cpp) -> HF-format directory: config from metadata, dequantized weights, tokenizer.
+
+Weights are dequantized to float32 (exact for every GGUF quant type), renamed from llama.cpp
+names to HF names, and llama.cpp's q/k row permutation (for its interleaved rotary) undone.
+Conversions are cached by file name, size and mtime; see `cached_conversion`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ecoserve.model.spec import ModelLoadError, supported_list
+
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """llama.cpp tensor name -> HF name (None for tensors HF does not store, e.g. rope tables)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp stores each head's rows as interleaved (even, odd) pairs; HF keeps the two halves apart
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader: Any) -> dict[str, Any]:
+    """A HF config.json dict from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)} "
+                             f"(HF: {supported_list()})")
+    names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    config: dict[str, Any] = {
+        "architectures": [_ARCHS[arch]], "model_type": arch, "hidden_size": hidden,
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim, "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "vocab_size": int(vocab), "hidden_act": "silu",
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "dtype": "float32",
+    }
+    rope: dict[str, Any] = {"rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+                            "rope_type": "default"}
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=float(_field(reader, f"{arch}.rope.scaling.factor")))
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"unsupported GGUF rope scaling {scaling!r}; supported: linear")
+    if "rope_freqs.weight" in names:  # llama 3.1 stores its rope factors as a tensor
+        raise ModelLoadError("GGUF files with rope_freqs (Llama 3.1 rope scaling) are not supported yet")
+    config["rope_parameters"] = rope
+    return config
+
+
+def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every weight of the GGUF file."""
+    from gguf.quants import dequantize
+
+    permute = config["model_type"] == "llama"
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        if permute and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
+            w = _unpermute(w, config[key])
+        yield name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write a HF-format directory (config, model.safetensors, tokenizer, generation_config) from a GGUF."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:
+        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {e}") from None
+    config = gguf_config(reader)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(dict(gguf_tensors(reader, config)), out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    _convert_tokenizer(gguf_path, out_dir)
+    return out_dir
+
+
+def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:
+        raise ModelLoadError(f"could not build a tokenizer from GGUF file {gguf_path}: {e}") from None
+    tok.save_pretrained(out_dir)
+
+
+def cache_root() -> Path:
+    """$ECOSERVE_CACHE, else $XDG_CACHE_HOME/ecoserve, else ~/.cache/ecoserve."""
+    if os.environ.get("ECOSERVE_CACHE"):
+        return Path(os.environ["ECOSERVE_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ecoserve"
+
+
+def cached_conversion(gguf_path: str | Path) -> Path:
+    """The converted directory of `gguf_path`, converting on first use.
+
+    Concurrent first uses each convert into a private temp dir and rename it into place; the
+    first rename wins and the others discard their copy, so readers never see a partial dir.
+    """
+    gguf_path = Path(gguf_path).resolve()
+    st = gguf_path.stat()
+    target = cache_root() / "gguf" / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+

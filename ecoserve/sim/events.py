@@ -1,0 +1,84 @@
+"""Simulator events: one small class per kind; each handles itself and returns what follows.
+
+`handle(sim)` runs at the event's time (the engine has already advanced the clock) and returns
+the events it causes. Ties at the same time run in `priority` order, then in creation order.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from ecoserve.sim.workload import SimRequest
+
+_seq = itertools.count()
+
+
+class Event:
+    priority = 50  # lower runs first among events at the same time
+
+    def __init__(self, time: float) -> None:
+        self.time = time
+        self.seq = next(_seq)
+
+    def key(self) -> tuple[float, int, int]:
+        return (self.time, self.priority, self.seq)
+
+    def handle(self, sim) -> Iterable["Event"]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(t={self.time:.6f})"
+
+
+class StepEnd(Event):
+    """An instance's forward step finished: account it, then let the instance and cluster react."""
+
+    priority = 10
+
+    def __init__(self, time: float, instance) -> None:
+        super().__init__(time)
+        self.instance = instance
+
+    def handle(self, sim) -> Iterable[Event]:
+        return sim.on_step_end(self.instance)
+
+
+class TransferDone(Event):
+    """A KV transfer (FuDG) finished on a link."""
+
+    priority = 20
+
+    def __init__(self, time: float, link_id) -> None:
+        super().__init__(time)
+        self.link_id = link_id
+
+    def handle(self, sim) -> Iterable[Event]:
+        return sim.on_transfer_tick(self.link_id)
+
+
+class RequestArrival(Event):
+    priority = 30
+
+    def __init__(self, time: float, request: "SimRequest") -> None:
+        super().__init__(time)
+        self.request = request
+
+    def handle(self, sim) -> Iterable[Event]:
+        return sim.on_arrival(self.request)
+
+
+class Tick(Event):
+    """A periodic control action (mitosis check, fixed-interval routing, metric sampling)."""
+
+    priority = 40
+
+    def __init__(self, time: float, name: str, period: float) -> None:
+        super().__init__(time)
+        self.name, self.period = name, period
+
+    def handle(self, sim) -> Iterable[Event]:
+        follow = list(sim.on_tick(self.name) or ())
+        if sim.keep_ticking(self.name):
+            follow.append(Tick(self.time + self.period, self.name, self.period))
+        return follow

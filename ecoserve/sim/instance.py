@@ -1,0 +1,159 @@
+"""A simulated instance: the live `Scheduler` driven by a `SimulatedExecutor` on virtual time."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ecoserve.clock import VirtualClock
+from ecoserve.cluster.status import InstanceStatus, RequestState
+from ecoserve.config import CacheConfig, SchedulerConfig
+from ecoserve.request import Request
+from ecoserve.sampling import SamplingParams
+from ecoserve.sched.interface import SchedulerOutput, StepResult
+from ecoserve.sched.scheduler import Scheduler
+from ecoserve.sim.perf import StepWork
+
+
+class SimulatedExecutor:
+    """Returns a token per sampling chunk and the performance model's predicted step time.
+
+    Tokens whose KV arrived from elsewhere (FuDG imports) cost nothing to "compute".
+    """
+
+    def __init__(self, perf, token_id: int = 0) -> None:
+        self.perf = perf
+        self.token_id = token_id
+        self.imported: dict[str, int] = {}  # request id -> tokens whose KV was transferred in
+
+    def execute(self, batch: SchedulerOutput) -> StepResult:
+        tokens = seqs = sampled_n = kv = 0
+        pairs = 0.0
+        sampled = {}
+        imported = self.imported
+        for c in batch.chunks:
+            rid = c.request.request_id
+            start, q = c.start, c.num_tokens
+            if imported:
+                free_upto = imported.get(rid, 0)
+                if start < free_upto:
+                    q -= min(free_upto, start + q) - start
+                    start = min(free_upto, start + c.num_tokens)
+            if c.samples:
+                sampled[rid] = self.token_id
+                sampled_n += 1
+            if q <= 0:
+                continue
+            tokens += q
+            seqs += 1
+            pairs += q * start + q * (q + 1) / 2
+            kv += start + q
+        dur = self.perf.work_time(StepWork(tokens, seqs, sampled_n, pairs, kv)) if tokens else 0.0
+        return StepResult(sampled=sampled, duration=dur)
+
+
+class SimInstance:
+    """One model instance in virtual time; reports `InstanceStatus` and lifecycle callbacks."""
+
+    def __init__(self, instance_id: int, perf, clock: VirtualClock, sched_config: SchedulerConfig,
+                 num_blocks: int, block_size: int = 16, max_model_len: int | None = None) -> None:
+        self.instance_id = instance_id
+        self.clock = clock
+        self.perf = perf
+        self.executor = SimulatedExecutor(perf)
+        self.sched = Scheduler(sched_config, CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
+                                                         enable_prefix_caching=False),
+                               num_blocks, clock, max_model_len=max_model_len)
+        self.busy = False
+        self._out: SchedulerOutput | None = None
+        self._result: StepResult | None = None
+        self.routed_time: dict[str, float] = {}
+        self.decode_start: dict[str, float] = {}
+        self.t_switch = clock.now()
+        self._last_phase = "idle"
+        self._status: InstanceStatus | None = None
+        self.busy_time = 0.0
+        self.num_steps = 0
+        # Callbacks the cluster sets: (instance, request) on first token, on finish.
+        self.on_first_token: Callable[["SimInstance", Request], None] | None = None
+        self.on_finish: Callable[["SimInstance", Request], None] | None = None
+
+    # ---- requests -------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, imported_tokens: int = 0) -> Request:
+        now = self.clock.now()
+        req = Request(request_id, [0] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      arrival_time=now)
+        if imported_tokens:
+            self.executor.imported[request_id] = imported_tokens
+        self.sched.add_request(req)
+        self.routed_time[request_id] = now
+        self._status = None
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.sched.num_unfinished
+
+    # ---- steps ----------------------------------------------------------------------------
+    def try_start(self) -> float | None:
+        """Start a step if idle and there is work; return its end time."""
+        if self.busy or not self.sched.has_unfinished_requests():
+            return None
+        out = self.sched.schedule()
+        if out.is_empty:
+            return None
+        now = self.clock.now()
+        has_prefill = False
+        imported = self.executor.imported
+        for c in out.chunks:
+            req = c.request
+            if c.is_prefill and not (imported and c.request.request_id in imported):
+                has_prefill = True
+            if c.samples and (req.output_token_ids or req.request_id in imported) \
+                    and req.request_id not in self.decode_start:
+                self.decode_start[req.request_id] = now
+        phase = "prefill" if has_prefill else "decode"
+        if phase == "decode" and self._last_phase != "decode":
+            self.t_switch = now  # prefill -> decode: the next admission window starts here
+        self._last_phase = phase
+        result = self.executor.execute(out)
+        self._out, self._result, self.busy = out, result, True
+        self.busy_time += result.duration
+        self.num_steps += 1
+        self._status = None
+        return now + max(result.duration, 1e-9)
+
+    def finish_step(self) -> list[Request]:
+        out, result = self._out, self._result
+        self._out = self._result = None
+        self.busy = False
+        first = [c.request for c in out.chunks if c.samples and not c.request.output_token_ids]
+        finished = self.sched.update(out, result)
+        if self.on_first_token is not None:
+            for req in first:
+                self.on_first_token(self, req)
+        for req in finished:
+            self.executor.imported.pop(req.request_id, None)
+            self.routed_time.pop(req.request_id, None)
+            if self.on_finish is not None:
+                self.on_finish(self, req)
+            self.decode_start.pop(req.request_id, None)
+        self._status = None
+        return finished
+
+    # ---- status ---------------------------------------------------------------------------
+    def status(self) -> InstanceStatus:
+        if self._status is not None:
+            return self._status
+        s, rt = self.sched, self.routed_time
+        reqs = []
+        queued = 0
+        for r in s.running:
+            reqs.append(RequestState(r.request_id, rt[r.request_id], r.num_prompt_tokens, r.times.first_token,
+                                     len(r.output_token_ids)))
+        for r in s.waiting:
+            reqs.append(RequestState(r.request_id, rt[r.request_id], r.num_prompt_tokens, r.times.first_token,
+                                     len(r.output_token_ids)))
+            queued += r.num_tokens + 1
+        bs = s.kv.block_size
+        self._status = InstanceStatus(self.instance_id, self.clock.now(), self._last_phase, self.t_switch,
+                                      tuple(reqs), s.kv.num_free_blocks * bs - queued, s.kv.num_blocks * bs)
+        return self._status
