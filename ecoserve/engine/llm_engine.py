@@ -64,6 +64,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or loaded.max_model_len
         model = loaded.model
+        model.ensure_positions(self.max_model_len)
         block_size = config.cache.block_size
         per_token = PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
         num_blocks = config.cache.num_gpu_blocks or (

@@ -52,8 +52,16 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
         return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                            code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    # A union's members show up in loc as type tags ("str", "list[int]", "TextPart"); the field ends before them.
+    field_loc = []
+    for part in loc:
+        if not (part.isdigit() or (part.isidentifier() and part.islower() and part not in _TYPE_TAGS)):
+            break
+        field_loc.append(part)
+    param = ".".join(field_loc) or None
     message = first.get("msg", "invalid value")
+    if len(field_loc) < len(loc):
+        message = "wrong type or value"
     if first.get("type") == "missing":
         message = "a required field is missing"
     elif first.get("type") == "extra_forbidden":
@@ -61,6 +69,9 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
     elif "input" in first and first.get("type") not in ("model_type", "dict_type"):
         message = f"{message}, got {_short(first['input'])}"
     return bad_request(f"{param}: {message}" if param else message, param=param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _short(value: object) -> str:

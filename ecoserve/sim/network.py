@@ -73,7 +73,7 @@ class LinkQueue:
             t_done = self.time + min(x.remaining for x in self.active) * n / self.rate if n else float("inf")
             t_next = self.pending[0][0] if self.pending else float("inf")
             t_evt = min(t_done, t_next)
-            if t_evt > now + 1e-12:
+            if t_evt > now + 1e-9:
                 break
             if n:
                 drained = (t_evt - self.time) * self.rate / n
@@ -81,8 +81,11 @@ class LinkQueue:
                     x.remaining -= drained
             self.time = t_evt
             if t_done <= t_next:
-                finished = [x for x in self.active if x.remaining <= 1e-6]
-                self.active = [x for x in self.active if x.remaining > 1e-6]
+                # The transfer(s) with the least left finish now; compare against that, not zero,
+                # so rounding can never leave a finished transfer spinning.
+                least = min(x.remaining for x in self.active)
+                finished = [x for x in self.active if x.remaining <= least + 1e-3]
+                self.active = [x for x in self.active if x.remaining > least + 1e-3]
                 done.extend(x.key for x in finished)
             else:
                 self.active.append(self.pending.pop(0)[1])

@@ -141,6 +141,7 @@ class PaDGSim(ClusterSim):
         self.ttft_window = ttft_window
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, macro, ttft)
         self.timeline: list[dict] = []
+        self._macro_of_request: dict[str, int] = {}
 
     def _macro(self, m: int, ids: list[int]) -> MacroInstance:
         return MacroInstance(ids, self.perf.predicted_prefill_time, self.router_config, macro_id=m)
@@ -172,8 +173,6 @@ class PaDGSim(ClusterSim):
         if self.controller is not None:
             r = self.records[-1]
             self._recent.append((self.clock.now(), self._macro_of_request.pop(rid, 0), r.ttft))
-
-    _macro_of_request: dict = {}
 
     def dispatch(self, inst, req, **kw) -> list[Event]:
         if self.controller is not None:

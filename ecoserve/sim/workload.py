@@ -122,7 +122,8 @@ def rate_schedule(dataset: str | Dataset, steps: list[tuple[float, float]], seed
     for k, (rate, dur) in enumerate(steps):
         n = max(int(rate * dur * 1.5) + 10, 1)
         part = [r for r in synthetic(dataset, rate, n, seed=seed + k, start=t0) if r.arrival_time < t0 + dur]
-        out.extend(SimRequest(f"r{len(out) + i}", r.arrival_time, r.input_len, r.output_len) for i, r in enumerate(part))
+        base = len(out)
+        out.extend([SimRequest(f"r{base + i}", r.arrival_time, r.input_len, r.output_len) for i, r in enumerate(part)])
         t0 += dur
     return out
 

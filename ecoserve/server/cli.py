@@ -1,0 +1,76 @@
+"""`ecoserve serve`: the OpenAI-compatible server on uvicorn, with a graceful SIGINT/SIGTERM shutdown."""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Callable
+
+import uvicorn
+
+from ecoserve.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+class GracefulServer(uvicorn.Server):
+    """On the first SIGINT/SIGTERM: refuse new requests, give running ones `grace_s` seconds, then fail them."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float, banner: str = "") -> None:
+        super().__init__(config)
+        self.engine, self.grace_s, self.banner = engine, grace_s, banner
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.banner:
+            print(self.banner, flush=True)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        loop = self.engine._loop
+        if not self.should_exit and loop is not None:
+            loop.call_soon_threadsafe(self.engine.begin_shutdown, self.grace_s)
+        super().handle_exit(sig, frame)
+
+
+def curl_example(host: str, port: int, model: str) -> str:
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
+            '"max_tokens": 48}' % model)
+    return (f"ecoserve: serving {model} on http://{host}:{port} (Ctrl-C to stop). Try:\n"
+            f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    from ecoserve.cli import engine_kwargs
+    from ecoserve.engine.llm import engine_config_from_kwargs
+    from ecoserve.engine.llm_engine import LLMEngine
+    from ecoserve.server.app import create_app
+
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    kwargs = engine_kwargs(args)
+    kwargs["max_waiting"] = args.max_waiting_requests
+    engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
+    name = args.served_model_name or engine.engine.model_name
+    app = create_app(engine, name)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
+    GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
+    return 0
+
+
+def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve a model over the OpenAI API (completions, chat, streaming), "
+                                          "with /health, /metrics, /tokenize and /detokenize.")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the name clients send as `model` "
+                   "(default: the --model argument, or SmolLM2-135M-Instruct)")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they get an error")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=run_server)
+    return p

@@ -1,0 +1,101 @@
+"""Prometheus metrics with vLLM's names under an `ecoserve:` prefix, label `model_name` on all.
+
+Gauges and engine-wide counters are read from the engine when scraped; per-request histograms
+are observed on the engine thread from each step's outputs (times from the engine's monotonic
+clock, in seconds).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ecoserve.engine.llm_engine import LLMEngine
+from ecoserve.request import RequestOutput
+
+PREFIX = "ecoserve:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Gauges and monotonic counters the engine already keeps, read at scrape time."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        sched, kv, stats = self.engine.scheduler, self.engine.scheduler.kv, self.engine.stats
+        label = [self.model_name]
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", len(sched.running)),
+                ("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting)),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", kv.usage)):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            yield g
+        for name, doc, value in (
+                ("prompt_tokens", "Prompt tokens of accepted requests.", stats["prompt_tokens"]),
+                ("generation_tokens", "Generated tokens.", stats["generation_tokens"]),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits),
+                ("num_preemptions", "Preemptions (by recompute).", sched.num_preemptions_total)):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            yield c
+
+
+class ServerMetrics:
+    """The /metrics registry, and the engine-thread observer that feeds its per-request histograms."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
+                             buckets=buckets).labels(model_name)
+
+        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last one)
+
+    # StepObserver, called on the engine thread
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            m = out.metrics
+            if m is None or m.first_token_time is None:
+                continue
+            num_tokens = len(out.outputs[0].token_ids)
+            seen = self._seen.get(out.request_id)
+            if seen is None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            elif num_tokens > seen[0] and m.last_token_time is not None:
+                gap = (m.last_token_time - seen[1]) / (num_tokens - seen[0])
+                for _ in range(num_tokens - seen[0]):
+                    self.itl.observe(gap)
+            if out.finished:
+                self._seen.pop(out.request_id, None)
+                if m.finished_time is not None:
+                    self.e2e.observe(m.finished_time - m.arrival_time)
+                self.success.labels(self.model_name, out.outputs[0].finish_reason or "stop").inc()
+            else:
+                self._seen[out.request_id] = (num_tokens, m.last_token_time or m.first_token_time)
+
+    def on_abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._seen.pop(rid, None)
+            self.success.labels(self.model_name, "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,172 @@
+"""Request bodies of the OpenAI API (plus vLLM's sampling extensions) and their SamplingParams.
+
+Bodies are parsed with pydantic in strict JSON mode, so a wrong type is an error rather than a
+silent coercion; unknown fields are ignored, as OpenAI-compatible servers do. Range checks are
+left to SamplingParams, whose messages name the field.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ecoserve.sampling import SamplingParams
+from ecoserve.server.errors import APIError, bad_request
+
+MAX_N = 128
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingBody(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def check_common(self) -> None:
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Unset fields fall back to the model's generation_config, then to OpenAI's defaults."""
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        try:
+            return SamplingParams(
+                n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0), seed=self.seed, presence_penalty=pick("presence_penalty", 0.0),
+                frequency_penalty=pick("frequency_penalty", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0), max_tokens=max_tokens,
+                min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as e:
+            raise _param_error(e) from None
+
+
+def _param_error(e: ValueError) -> APIError:
+    message = str(e)
+    field = message.split(" ", 1)[0]
+    return bad_request(message, param=field if field.isidentifier() else None)
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}) when given, got {self.best_of}", param="best_of")
+        if self.prompt in ("", []) or (isinstance(self.prompt, list) and any(p in ("", []) for p in self.prompt)):
+            raise bad_request("the prompt is empty: at least one token is needed", param="prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a string, a list of strings, token ids, or a list of token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self) -> None:
+        self.check_common()
+        if self.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise bad_request("continue_final_message needs add_generation_prompt: false and a final assistant "
+                              "message", param="continue_final_message")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,81 @@
+"""`ecoserve simulate ...`: run a named experiment or one simulated serving run."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from ecoserve.sim.experiments import EXPERIMENTS
+    from ecoserve.sim.hardware import GPUS, LINKS
+    from ecoserve.sim.models import MODELS
+    from ecoserve.sim.strategies import STRATEGIES
+    from ecoserve.sim.workload import ARRIVALS, DATASETS
+
+    p = subparsers.add_parser("simulate", help="simulate a GPU cluster serving with the live scheduling code")
+    p.add_argument("experiment", nargs="?", default="run", choices=["run", *EXPERIMENTS.names()],
+                   help="a named experiment, or 'run' for one simulation")
+    p.add_argument("--out", default="results/sim", help="folder for JSON and PNG (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--strategy", default="ecoserve", choices=STRATEGIES.names())
+    p.add_argument("--model", default="codellama-34b", help=f"one of {', '.join(MODELS.names())} or a config.json path")
+    p.add_argument("--gpu", default="L20", choices=GPUS.names(), type=str.lower)
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--num-instances", type=int, default=8)
+    p.add_argument("--network", default="10gbe", choices=LINKS.names())
+    p.add_argument("--profile", default=None, help="tokens,ms CSV to use instead of the roofline")
+    p.add_argument("--dataset", default="sharegpt", choices=DATASETS.names())
+    p.add_argument("--trace", default=None, help="CSV/JSONL trace (arrival_time,input_len,output_len)")
+    p.add_argument("--rate", type=float, default=8.0, help="request rate (req/s)")
+    p.add_argument("--arrival", default="poisson", choices=ARRIVALS.names())
+    p.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
+    p.add_argument("--ttft-slo", type=float, default=None)
+    p.add_argument("--tpot-slo", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--models", default=None, help="experiments: comma-separated models (default: the paper's)")
+    p.add_argument("--datasets", default=None, help="experiments: comma-separated datasets")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from ecoserve.sim.cluster import ClusterSpec
+    from ecoserve.sim.experiments import EXPERIMENTS
+    from ecoserve.sim.metrics import summarize
+    from ecoserve.sim.strategies import build
+    from ecoserve.sim.workload import DATASETS, load_trace, synthetic
+
+    out = Path(args.out)
+    if args.experiment != "run":
+        kw = {"num_requests": args.num_requests} if args.num_requests and args.experiment != "mitosis" else {}
+        if args.models and args.experiment in ("overall", "scaling", "ablation"):
+            kw["models"] = tuple(args.models.split(","))
+        if args.datasets and args.experiment == "overall":
+            kw["datasets"] = tuple(args.datasets.split(","))
+        data = EXPERIMENTS.get(args.experiment)(out, **kw)
+        print(json.dumps({k: v for k, v in data.items() if k != "results"}, indent=1, default=str)[:4000])
+        print(f"wrote {out}/{args.experiment}.json and .png")
+        return 0
+    ds = DATASETS.get(args.dataset)
+    ttft, tpot = args.ttft_slo or ds.ttft_slo, args.tpot_slo or ds.tpot_slo
+    gpu = {g.lower(): g for g in ("L20", "A800", "A100", "H100", "H200", "RTX4090")}[args.gpu]
+    spec = ClusterSpec(model=args.model, gpu=gpu, tp=args.tp, num_instances=args.num_instances,
+                       network=args.network, profile=args.profile)
+    wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
+                                                             seed=args.seed, arrival=args.arrival, cv=args.cv)
+    res = build(args.strategy, spec, ttft, tpot).run(wl, progress=True)
+    summary = summarize(res.records, ttft, tpot, res.num_submitted)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").write_text(json.dumps({"summary": summary, "sim_time": res.sim_time,
+                                              "extra": {k: v for k, v in res.extra.items() if k != "timeline"}},
+                                             indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":  # python -m ecoserve.sim.cli simulate ...
+    parser = argparse.ArgumentParser(prog="ecoserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args()
+    raise SystemExit(ns.func(ns))

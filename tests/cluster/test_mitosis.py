@@ -1,0 +1,81 @@
+"""Mitosis invariants: bounds, split/merge lose nothing, drained instances get nothing new."""
+from hypothesis import given, settings, strategies as st
+import pytest
+
+from ecoserve.cluster import MitosisConfig, MitosisController
+
+HOT, COLD = 10.0, 0.0  # mean TTFT over / under the 5 s SLO
+
+
+def ctl(sizes=(6,), free=10, n_lower=6, n_upper=11):
+    macros, nxt = {}, 0
+    for m, n in enumerate(sizes):
+        macros[m] = list(range(nxt, nxt + n))
+        nxt += n
+    return MitosisController(MitosisConfig(n_lower, n_upper, ttft_slo=5.0, cooldown_s=0.0), macros,
+                             free=list(range(nxt, nxt + free)))
+
+
+def all_ids(c):
+    ids = [i for v in c.macros.values() for i in v] + c.free + sorted(c.draining)
+    return ids
+
+
+def test_expand_fills_to_upper_then_splits_into_two_valid_macros():
+    c = ctl(sizes=(6,), free=10)
+    for k in range(5):
+        assert c.step(k, {0: HOT}, {})[0].kind == "add"
+    assert len(c.macros[0]) == 11
+    a = c.step(6, {0: HOT}, {})[0]
+    assert a.kind == "split" and sorted(len(v) for v in c.macros.values()) == [6, 6]  # 12th instance: 2 x 6
+    assert sorted(all_ids(c)) == list(range(16))
+
+
+def test_contract_drains_from_smallest_above_lower_then_merges():
+    c = ctl(sizes=(11, 7), free=0)
+    acts = c.step(0, {0: COLD, 1: COLD}, {0: 100.0, 1: None})
+    assert acts[0].kind == "drain" and acts[0].macro == 1  # the smaller macro instance loses one
+    assert len(c.macros[1]) == 6 and len(c.draining) == 1
+    c2 = ctl(sizes=(6, 5), free=0, n_lower=3, n_upper=11)
+    acts = c2.step(0, {0: COLD}, {0: 100.0})
+    kinds = [a.kind for a in acts]
+    assert kinds[0] == "drain" and "merge" in kinds and len(c2.macros) == 1  # 6 + 4 <= 11: merged
+
+
+def test_saved_tpot_inside_range_does_nothing():
+    c = ctl(sizes=(8,), free=2)
+    assert c.step(0, {0: 1.0}, {0: 5.0 * 9 / 8}) == []  # exactly at S_TTFT*(n+1)/n: no contraction
+    assert c.step(0, {0: 1.0}, {0: 5.0 * 9 / 8 + 1e-6})[0].kind == "drain"
+
+
+def test_released_instances_return_to_pool():
+    c = ctl(sizes=(8,), free=0)
+    iid = c.step(0, {}, {0: 99.0})[0].instances[0]
+    assert iid in c.draining and iid not in c.macros[0]
+    c.release(iid)
+    assert iid in c.free and iid not in c.draining
+
+
+def test_split_needs_room_for_two_macros():
+    with pytest.raises(ValueError, match="n_upper"):
+        MitosisConfig(6, 10, ttft_slo=5.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["hot", "cold", "ok", "release"]), st.integers(0, 5)), max_size=60))
+def test_invariants_under_random_signals(signals):
+    c = ctl(sizes=(4,), free=14, n_lower=3, n_upper=6)
+    total = 18
+    for t, (sig, pick) in enumerate(signals):
+        ms = sorted(c.macros)
+        m = ms[pick % len(ms)]
+        if sig == "release" and c.draining:
+            c.release(sorted(c.draining)[0])
+            continue
+        ttft = {m: HOT if sig == "hot" else COLD}
+        saved = {m: 1e9 if sig == "cold" else 0.0}
+        c.step(t, ttft, saved)
+        ids = all_ids(c)
+        assert sorted(ids) == list(range(total))  # nothing lost or duplicated
+        assert all(1 <= len(v) <= 6 for v in c.macros.values())
+        assert not c.draining & {i for v in c.macros.values() for i in v}

@@ -1,0 +1,79 @@
+"""AsyncEngine without HTTP: streams, early close aborts, a dead loop fails everything clearly."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from ecoserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from ecoserve.engine.llm import engine_config_from_kwargs
+from ecoserve.engine.llm_engine import LLMEngine
+from ecoserve.sampling import SamplingParams
+from tests.server.conftest import ENGINE_KWARGS
+
+
+@pytest.fixture
+def engine(tiny_model) -> LLMEngine:
+    return LLMEngine(engine_config_from_kwargs(tiny_model, **ENGINE_KWARGS))
+
+
+def test_streams_early_close_and_overload(engine):
+    async def main() -> None:
+        ae = AsyncEngine(engine, max_waiting=1)
+        ae.start()
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        outs = [o async for o in ae.generate("a", [5, 6, 7], params)]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+        assert [len(o.outputs[0].token_ids) for o in outs] == sorted(len(o.outputs[0].token_ids) for o in outs)
+
+        ae.num_waiting = lambda: 1  # as if one request were waiting: the queue (limit 1) is full
+        with pytest.raises(EngineOverloadedError):
+            ae.generate("c", [5, 6], params)
+        del ae.num_waiting
+        stream = ae.generate("b", [5, 6, 7], params.clone(max_tokens=200))
+        first = await stream.__anext__()
+        assert not first.finished
+        await stream.aclose()  # the consumer goes away: the request is aborted and its KV freed
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.has_unfinished_requests() and engine.scheduler.kv.usage == 0
+        with pytest.raises(ValueError, match="empty"):
+            ae.generate("d", [], params)
+        await ae.stop()
+
+    asyncio.run(main())
+
+
+def test_dead_engine_loop_fails_requests_and_health(engine):
+    from ecoserve.server.app import create_app
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        app = create_app(ae, "tiny")
+        ae.start()
+        real_step, calls = engine.step, []
+
+        def broken_step():
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("boom")
+            return real_step()
+
+        engine.step = broken_step
+        with pytest.raises(EngineDeadError, match="boom"):
+            async for _ in ae.generate("x", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True)):
+                pass
+        assert not ae.is_running
+        with pytest.raises(EngineDeadError):
+            ae.generate("y", [5, 6], SamplingParams())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            r = await client.get("/health")
+            assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+            r = await client.post("/v1/completions", json={"prompt": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        await ae.stop()
+
+    asyncio.run(main())

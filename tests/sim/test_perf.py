@@ -1,0 +1,59 @@
+"""Performance model: calibration against the measured L20 table, and its physical trends."""
+import numpy as np
+import pytest
+
+from ecoserve.sim.models import MODELS, load_config
+from ecoserve.sim.perf import StepWork, TablePerf, make_perf
+
+PROFILES = "/work/shared/reference/profiles"
+
+
+def _table(name):
+    import os
+    path = os.path.join(PROFILES, name)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not available")
+    return np.loadtxt(path, delimiter=",", skiprows=1), path
+
+
+def test_roofline_reproduces_l20_llama2_13b_within_10_percent_from_1_to_2048():
+    d, _ = _table("L20-Llama-13B.csv")
+    perf = make_perf("llama-2-13b", "L20", tp=1)
+    pred = np.array([perf.predicted_prefill_time(int(n)) * 1e3 for n in d[:, 0]])
+    err = np.abs(pred / d[:, 1] - 1)
+    assert d[0, 0] == 1 and d[-1, 0] == 2048
+    assert err.max() <= 0.10, f"worst {err.max():.3f} at {int(d[err.argmax(), 0])} tokens"
+    assert err.mean() <= 0.06
+
+
+def test_table_model_interpolates_and_extrapolates():
+    d, path = _table("L20-Llama-13B.csv")
+    t = TablePerf.from_csv(path)
+    assert t.predicted_prefill_time(1024) == pytest.approx(d[1023, 1] / 1e3)
+    assert t.predicted_prefill_time(4096) > t.predicted_prefill_time(2048) * 1.8
+
+
+def test_model_catalogue_sizes():
+    assert MODELS.get("llama-2-13b").num_params == pytest.approx(13.0e9, rel=0.01)
+    assert MODELS.get("llama-30b").kv_bytes_per_token / 2**20 == pytest.approx(1.52, abs=0.01)  # paper A2
+    assert MODELS.get("codellama-34b").kv_bytes_per_token == 48 * 2 * 8 * 128 * 2
+    assert MODELS.get("qwen2-72b").num_params == pytest.approx(72.7e9, rel=0.01)
+
+
+def test_local_config_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, '
+                                          '"num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}')
+    m = load_config(tmp_path)
+    assert m.head_dim == 16 and m.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+
+
+def test_trends_kv_reads_tp_and_network():
+    p1 = make_perf("codellama-34b", "L20", tp=4)
+    short = p1.work_time(StepWork(64, 64, 64, 64 * 100, 64 * 100))
+    long = p1.work_time(StepWork(64, 64, 64, 64 * 4000, 64 * 4000))
+    assert long > short * 1.2  # decode reads the KV cache
+    slow = make_perf("codellama-34b", "L20", tp=4, link="10gbe")
+    assert slow.predicted_prefill_time(1024) > p1.predicted_prefill_time(1024) * 2
+    h100 = make_perf("codellama-34b", "H100", tp=4)
+    assert h100.predicted_prefill_time(2048) < p1.predicted_prefill_time(2048) / 3
+    assert 500_000 < p1.kv_capacity_tokens < 560_000  # reference C3: ~535k tokens
