@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from ecoserve.bench import throughput
+    from ecoserve.bench import latency, throughput
     throughput.add_parser(bench)
+    latency.add_parser(bench)
     try:
         from ecoserve.bench import serve as bench_serve
         bench_serve.add_parser(bench)

@@ -11,6 +11,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # kept in step with _blocks: block tables without rebuilding
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already in the prefix index
         self.prefix_queries = 0  # tokens looked up (vLLM's prefix_cache_queries counts tokens)
         self.prefix_hits = 0
@@ -28,7 +29,8 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block table (a live list: valid until its blocks next change)."""
+        return self._block_ids.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -57,12 +59,15 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if it won't fit."""
         owned = self._blocks.setdefault(req.request_id, [])
+        if not computed and req.num_computed_tokens + num_new_tokens <= len(owned) * self.block_size:
+            return True  # fits in the blocks it has (most decode steps)
+        ids = self._block_ids.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(owned) - len(computed)
         revived = sum(1 for b in computed if b.ref_cnt == 0)
         if max(need, 0) + revived > self.pool.num_free_blocks:
             if not owned:
-                del self._blocks[req.request_id]
+                del self._blocks[req.request_id], self._block_ids[req.request_id]
             return False
         if computed:
             self.pool.touch(list(computed))
@@ -70,6 +75,7 @@ class KVCacheManager:
             self._num_cached[req.request_id] = len(computed)
         if need > 0:
             owned.extend(self.pool.allocate(need))
+        ids.extend(b.block_id for b in owned[len(ids):])
         return True
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
@@ -106,6 +112,7 @@ class KVCacheManager:
         that step, so they must not serve later hits.
         """
         blocks = self._blocks.pop(req.request_id, None)
+        self._block_ids.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
         if not blocks:
             return

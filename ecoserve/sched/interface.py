@@ -32,7 +32,8 @@ class ScheduledChunk:
 @dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
-    block_tables: dict[str, list[int]]  # request_id -> KV block ids (covering every scheduled token)
+    # request_id -> KV block ids covering every scheduled token; live lists, valid until the next schedule()
+    block_tables: dict[str, list[int]]
     preempted_ids: tuple[str, ...] = ()
     finished_ids: tuple[str, ...] = ()  # requests that left since the previous step (executors drop their state)
 
