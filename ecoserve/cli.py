@@ -47,7 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ecoserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="INFO", help="level of ecoserve's own log (libraries log warnings)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline")
@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ecoserve").setLevel(args.log_level.upper())
     try:
         return args.func(args)
     except ValueError as e:
