@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class RequestState:
+class RequestState(NamedTuple):
+    """One request as its instance reports it (a NamedTuple: one is built per request per report)."""
+
     request_id: str
     routed_time: float  # when this instance received it (the paper's per-request "arrival")
     prompt_len: int

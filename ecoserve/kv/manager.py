@@ -32,6 +32,11 @@ class KVCacheManager:
         """The request's block table (a live list: valid until its blocks next change)."""
         return self._block_ids.get(request_id, [])
 
+    def block_tables(self, request_ids) -> dict[str, list[int]]:
+        """`block_ids` of each request, as one dict (built once per step)."""
+        get = self._block_ids.get
+        return {rid: get(rid, []) for rid in request_ids}
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -56,10 +61,17 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * bs
         return hits
 
+    def fits_in_own_blocks(self, req: Request, num_new_tokens: int) -> bool:
+        """True if the request's blocks already hold `num_new_tokens` more (allocate_slots would be a no-op)."""
+        owned = self._blocks.get(req.request_id)
+        return owned is not None and req.num_computed_tokens + num_new_tokens <= len(owned) * self.block_size
+
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if it won't fit."""
-        owned = self._blocks.setdefault(req.request_id, [])
-        if not computed and req.num_computed_tokens + num_new_tokens <= len(owned) * self.block_size:
+        owned = self._blocks.get(req.request_id)
+        if owned is None:
+            owned = self._blocks[req.request_id] = []
+        elif not computed and req.num_computed_tokens + num_new_tokens <= len(owned) * self.block_size:
             return True  # fits in the blocks it has (most decode steps)
         ids = self._block_ids.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed) * self.block_size

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from ecoserve.sched.scheduler import decoding, prefilling
+
 if TYPE_CHECKING:
     from ecoserve.sched.scheduler import Scheduler, StepBuilder
 
@@ -54,16 +56,14 @@ class PrefillFirst(Policy):
     """
 
     def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
-        for req in [r for r in sched.running if r.is_prefill]:
+        for req in prefilling(sched.running):
             if step.full() or not sched.schedule_running(req, step):
                 break
         if not step.chunks:
             _admit_waiting(sched, step, whole_prompts=True)
         if step.chunks:
             return
-        for req in list(sched.running):
-            if req in sched.running and not step.full():
-                sched.schedule_running(req, step)
+        sched.schedule_running_all(list(sched.running), step)
 
 
 @register("chunked")
@@ -71,13 +71,8 @@ class ChunkedPrefill(Policy):
     """Sarathi style: decodes first, then ongoing prompt chunks, then new prompts, in one hybrid batch."""
 
     def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
-        decoding = [r for r in sched.running if not r.is_prefill]
-        prefilling = [r for r in sched.running if r.is_prefill]
-        for req in decoding + prefilling:
-            if step.full():
-                break
-            if req in sched.running:  # may have been preempted for an older request
-                sched.schedule_running(req, step)
+        # Preempted requests (for an older one) are skipped.
+        sched.schedule_running_all(decoding(sched.running) + prefilling(sched.running), step)
         if not step.num_preempted:  # memory is short: let running requests finish first
             _admit_waiting(sched, step, whole_prompts=False)
 

@@ -20,6 +20,17 @@ from ecoserve.sched.interface import ScheduledChunk, SchedulerOutput, StepResult
 from ecoserve.sched.status import RequestProgress, SchedulerStatus
 
 logger = logging.getLogger(__name__)
+_RUNNING = RequestStatus.RUNNING
+
+
+def prefilling(reqs) -> list[Request]:
+    """The requests with prompt (or recomputed) tokens left beyond the newest one (`Request.is_prefill`)."""
+    return [r for r in reqs if len(r.all_token_ids) - r.num_computed_tokens > 1]
+
+
+def decoding(reqs) -> list[Request]:
+    """The complement of `prefilling`, in order."""
+    return [r for r in reqs if len(r.all_token_ids) - r.num_computed_tokens <= 1]
 
 
 @dataclass
@@ -30,10 +41,14 @@ class StepBuilder:
     seq_budget: int
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
     num_preempted: int = 0
+    num_prefill_chunks: int = 0  # chunks with `is_prefill`, kept as they come and go
 
     def add(self, req: Request, num_tokens: int) -> None:
         start = req.num_computed_tokens
-        self.chunks[req.request_id] = ScheduledChunk(req, start, num_tokens, start + num_tokens == req.num_tokens)
+        samples = start + num_tokens == len(req.all_token_ids)
+        self.chunks[req.request_id] = ScheduledChunk(req, start, num_tokens, samples)
+        if num_tokens != 1 or not samples:
+            self.num_prefill_chunks += 1
         self.token_budget -= num_tokens
         self.seq_budget -= 1
 
@@ -42,10 +57,12 @@ class StepBuilder:
         if chunk is not None:
             self.token_budget += chunk.num_tokens
             self.seq_budget += 1
+            if chunk.is_prefill:
+                self.num_prefill_chunks -= 1
 
     @property
     def has_prefill(self) -> bool:
-        return any(c.is_prefill for c in self.chunks.values())
+        return self.num_prefill_chunks > 0
 
     def full(self) -> bool:
         return self.token_budget <= 0 or self.seq_budget <= 0
@@ -127,17 +144,38 @@ class Scheduler:
     # ---- the mechanism policies use ------------------------------------------------------
     def schedule_running(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Give a running request its next tokens, preempting newer requests if KV runs out."""
-        n = min(req.num_tokens - req.num_computed_tokens, step.token_budget, max_tokens or 1 << 62)
+        # Hot path (once per request per step): plain comparisons instead of min() and properties.
+        n = len(req.all_token_ids) - req.num_computed_tokens
+        if step.token_budget < n:
+            n = step.token_budget
+        if max_tokens and max_tokens < n:
+            n = max_tokens
         if n <= 0 or step.seq_budget <= 0:
             return False
-        while not self.kv.allocate_slots(req, n):
+        kv = self.kv
+        while not kv.allocate_slots(req, n):
             victim = max(self.running, key=lambda r: self._order[r.request_id])
             self.preempt(victim, step)
             if victim is req:
                 return False
         step.add(req, n)
-        self.kv.cache_blocks(req, req.num_computed_tokens + n)
+        if kv.enable_prefix_caching:
+            kv.cache_blocks(req, req.num_computed_tokens + n)
         return True
+
+    def schedule_running_all(self, reqs: list[Request], step: StepBuilder) -> None:
+        """`schedule_running` for each request in order, skipping those preempted meanwhile, until the step is full."""
+        running, preempted, kv = self.running, step.num_preempted, self.kv
+        fits, add, caching = kv.fits_in_own_blocks, step.add, kv.enable_prefix_caching
+        for req in reqs:
+            if step.token_budget <= 0 or step.seq_budget <= 0:
+                break  # a full step stays full: only preemption frees budget, and it needs a schedule_running
+            if step.num_preempted != preempted and req not in running:
+                continue  # preempted for an older request earlier in this loop
+            if not caching and len(req.all_token_ids) - req.num_computed_tokens == 1 and fits(req, 1):
+                add(req, 1)  # a decode in the blocks it has: what schedule_running would do, without the calls
+            else:
+                self.schedule_running(req, step)
 
     def admit(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Move a waiting request into running with its first chunk, if the seat, budget and KV allow."""
@@ -184,7 +222,7 @@ class Scheduler:
         finished, self._finished_since_step = tuple(self._finished_since_step), []
         return SchedulerOutput(
             chunks=chunks,
-            block_tables={c.request.request_id: self.kv.block_ids(c.request.request_id) for c in chunks},
+            block_tables=self.kv.block_tables(step.chunks),
             finished_ids=finished,
         )
 
@@ -192,17 +230,19 @@ class Scheduler:
         """Account a finished step: advance computed tokens, append sampled tokens, finish requests."""
         now = self.clock.now()
         done = []
+        sampled = result.sampled
         for chunk in output.chunks:
             req = chunk.request
-            if req.finished or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if req.status is not _RUNNING:
+                continue  # finished (aborted) or preempted while the step ran
             req.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
                 continue
-            req.append_output_token(result.sampled[req.request_id])
-            if req.times.first_token is None:
-                req.times.first_token = now
-            req.times.last_token = now
+            req.append_output_token(sampled[req.request_id])
+            times = req.times
+            if times.first_token is None:
+                times.first_token = now
+            times.last_token = now
             status = req.check_stop_token()
             if status is not None:
                 self.finish_request(req, status)

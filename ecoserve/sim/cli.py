@@ -33,6 +33,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo", type=float, default=None)
     p.add_argument("--tpot-slo", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=None,
+                   help="experiments: seconds of arrivals per rate point (default 45)")
+    p.add_argument("--strategies", default=None, help="speed: comma-separated strategies")
     p.add_argument("--models", default=None, help="experiments: comma-separated models (default: the paper's)")
     p.add_argument("--datasets", default=None, help="experiments: comma-separated datasets")
     p.set_defaults(func=main)
@@ -48,7 +51,12 @@ def main(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if args.experiment != "run":
+        import ecoserve.sim.experiments as experiments
+        if args.duration:
+            experiments.ARRIVAL_S = args.duration
         kw = {"num_requests": args.num_requests} if args.num_requests and args.experiment != "mitosis" else {}
+        if args.strategies and args.experiment == "speed":
+            kw["strategies"] = tuple(args.strategies.split(","))
         if args.models and args.experiment in ("overall", "scaling", "ablation"):
             kw["models"] = tuple(args.models.split(","))
         if args.datasets and args.experiment == "overall":

@@ -21,6 +21,7 @@ from ecoserve.sim.workload import DATASETS, rate_schedule, synthetic
 EXPERIMENTS: Registry = Registry("experiment")
 PAPER_TP = {"llama-30b": 4, "codellama-34b": 4, "qwen2-72b": 8}
 MOONCAKE_PD = [(3, 5), (5, 3)]
+ARRIVAL_S = 45.0  # default seconds of arrivals per rate point (`ecoserve simulate ... --duration`)
 
 
 def l20_spec(model: str, num_instances: int = 8, **kw) -> ClusterSpec:
@@ -30,11 +31,11 @@ def l20_spec(model: str, num_instances: int = 8, **kw) -> ClusterSpec:
 
 
 def attain_at(strategy: str, spec: ClusterSpec, dataset: str, rate: float, ttft: float, tpot: float,
-              num_requests: int, seed: int = 0, arrival: str = "poisson", cv: float = 1.0, duration: float = 45.0,
-              **kw) -> float:
+              num_requests: int, seed: int = 0, arrival: str = "poisson", cv: float = 1.0,
+              duration: float | None = None, **kw) -> float:
     """Attainment at `rate`: arrivals over at least `duration` seconds (so queues reach steady
     state; short bursts are absorbed by memory and flatter every strategy), at least `num_requests`."""
-    n = int(min(max(num_requests, rate * duration), 12_000))
+    n = int(min(max(num_requests, rate * (duration or ARRIVAL_S)), 12_000))
     wl = synthetic(dataset, rate, n, seed=seed, arrival=arrival, cv=cv,
                    max_model_len=get_model(spec.model).max_model_len)
     res = build(strategy, spec, ttft, tpot, **kw).run(wl, horizon=max(60.0, 10 * ttft))
@@ -218,18 +219,45 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
 
 
 @EXPERIMENTS.register("speed")
-def speed(out: Path, num_requests: int = 100_000, strategy: str = "ecoserve", dataset: str = "alpaca",
+def speed(out: Path, num_requests: int = 100_000, strategies=("ecoserve", "vllm", "sarathi"), dataset: str = "alpaca",
           rate: float | None = None, model: str = "codellama-34b") -> dict:
-    """Simulator speed: `num_requests` requests on the 8-instance L20 cluster, with a progress bar."""
+    """Simulator speed: up to `num_requests` requests on the 8-instance L20 cluster, with a progress bar.
+
+    Each strategy runs `num_requests` / 100, / 10 and / 1 requests; the PNG plots wall time against size.
+    """
     ds = DATASETS.get(dataset)
     spec = l20_spec(model)
     rate = rate or 2.0 * spec.num_instances
-    wl = synthetic(dataset, rate, num_requests, seed=0)
-    t0 = time.perf_counter()
-    res = build(strategy, spec, ds.ttft_slo, ds.tpot_slo).run(wl, progress=True)
-    wall = time.perf_counter() - t0
-    data = {"num_requests": num_requests, "strategy": strategy, "dataset": dataset, "rate": rate,
-            "wall_s": wall, "sim_s": res.sim_time, "events": res.num_events, "steps": res.extra["num_steps"],
-            "summary": summarize(res.records, ds.ttft_slo, ds.tpot_slo, res.num_submitted), "spec": asdict(spec)}
+    sizes = sorted({max(num_requests // 100, 1), max(num_requests // 10, 1), num_requests})
+    runs = []
+    for strategy in strategies:
+        for n in sizes:
+            wl = synthetic(dataset, rate, n, seed=0)
+            t0 = time.perf_counter()
+            res = build(strategy, spec, ds.ttft_slo, ds.tpot_slo).run(wl, progress=n == num_requests)
+            wall = time.perf_counter() - t0
+            tokens = sum(r.output_len for r in wl)
+            runs.append({"strategy": strategy, "num_requests": n, "wall_s": wall, "sim_s": res.sim_time,
+                         "events": res.num_events, "steps": res.extra["num_steps"], "output_tokens": tokens,
+                         "us_per_output_token": 1e6 * wall / tokens,
+                         "summary": summarize(res.records, ds.ttft_slo, ds.tpot_slo, res.num_submitted)})
+            print(f"{strategy:9s} {n:7d} requests: {wall:6.1f} s wall, {res.sim_time:7.0f} s simulated, "
+                  f"{runs[-1]['us_per_output_token']:.2f} us per output token", flush=True)
+    data = {"dataset": dataset, "rate": rate, "runs": runs, "spec": asdict(spec)}
     _save(out, "speed", data)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for strategy in strategies:
+        pts = [(r["num_requests"], r["wall_s"]) for r in runs if r["strategy"] == strategy]
+        ax.loglog(*zip(*pts), "o-", label=strategy)
+    ax.axhline(60, color="gray", ls="--", lw=0.8)
+    ax.text(sizes[0], 60, "60 s target", va="bottom", fontsize=7, color="gray")
+    ax.set_xlabel(f"requests ({dataset}, {rate:g} req/s, 8 x TP=4 L20)")
+    ax.set_ylabel("wall time (s), one core")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "speed.png", dpi=120)
+    plt.close(fig)
     return data

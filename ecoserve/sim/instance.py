@@ -23,29 +23,38 @@ class SimulatedExecutor:
         self.perf = perf
         self.token_id = token_id
         self.imported: dict[str, int] = {}  # request id -> tokens whose KV was transferred in
+        self.has_prefill = False  # of the last batch: computed a prompt chunk (imported KV excluded)
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
         tokens = seqs = sampled_n = kv = 0
         pairs = 0.0
         sampled = {}
         imported = self.imported
+        token_id = self.token_id
+        has_prefill = False
         for c in batch.chunks:
             rid = c.request.request_id
             start, q = c.start, c.num_tokens
-            if imported:
-                free_upto = imported.get(rid, 0)
+            if imported and rid in imported:
+                free_upto = imported[rid]
                 if start < free_upto:
                     q -= min(free_upto, start + q) - start
                     start = min(free_upto, start + c.num_tokens)
+            elif q != 1 or not c.samples:
+                has_prefill = True
             if c.samples:
-                sampled[rid] = self.token_id
+                sampled[rid] = token_id
                 sampled_n += 1
             if q <= 0:
                 continue
             tokens += q
             seqs += 1
-            pairs += q * start + q * (q + 1) / 2
+            if q == 1:
+                pairs += start + 1
+            else:
+                pairs += q * start + q * (q + 1) / 2
             kv += start + q
+        self.has_prefill = has_prefill
         dur = self.perf.work_time(StepWork(tokens, seqs, sampled_n, pairs, kv)) if tokens else 0.0
         return StepResult(sampled=sampled, duration=dur)
 
@@ -65,6 +74,7 @@ class SimInstance:
         self.busy = False
         self._out: SchedulerOutput | None = None
         self._result: StepResult | None = None
+        self._first: list[Request] = []  # requests whose first token the running step samples
         self.routed_time: dict[str, float] = {}
         self.decode_start: dict[str, float] = {}
         self.t_switch = clock.now()
@@ -101,20 +111,22 @@ class SimInstance:
         if out.is_empty:
             return None
         now = self.clock.now()
-        has_prefill = False
         imported = self.executor.imported
+        decode_start = self.decode_start
+        first = self._first = []
         for c in out.chunks:
-            req = c.request
-            if c.is_prefill and not (imported and c.request.request_id in imported):
-                has_prefill = True
-            if c.samples and (req.output_token_ids or req.request_id in imported) \
-                    and req.request_id not in self.decode_start:
-                self.decode_start[req.request_id] = now
-        phase = "prefill" if has_prefill else "decode"
+            if c.samples:
+                req = c.request
+                if req.output_token_ids or req.request_id in imported:
+                    if req.request_id not in decode_start:
+                        decode_start[req.request_id] = now
+                if not req.output_token_ids:
+                    first.append(req)
+        result = self.executor.execute(out)
+        phase = "prefill" if self.executor.has_prefill else "decode"
         if phase == "decode" and self._last_phase != "decode":
             self.t_switch = now  # prefill -> decode: the next admission window starts here
         self._last_phase = phase
-        result = self.executor.execute(out)
         self._out, self._result, self.busy = out, result, True
         self.busy_time += result.duration
         self.num_steps += 1
@@ -122,10 +134,9 @@ class SimInstance:
         return now + max(result.duration, 1e-9)
 
     def finish_step(self) -> list[Request]:
-        out, result = self._out, self._result
+        out, result, first = self._out, self._result, self._first
         self._out = self._result = None
         self.busy = False
-        first = [c.request for c in out.chunks if c.samples and not c.request.output_token_ids]
         finished = self.sched.update(out, result)
         if self.on_first_token is not None:
             for req in first:
@@ -144,15 +155,13 @@ class SimInstance:
         if self._status is not None:
             return self._status
         s, rt = self.sched, self.routed_time
-        reqs = []
+        reqs = [RequestState(r.request_id, rt[r.request_id], len(r.prompt_token_ids), r.times.first_token,
+                             len(r.output_token_ids)) for r in s.running]
         queued = 0
-        for r in s.running:
-            reqs.append(RequestState(r.request_id, rt[r.request_id], r.num_prompt_tokens, r.times.first_token,
-                                     len(r.output_token_ids)))
         for r in s.waiting:
-            reqs.append(RequestState(r.request_id, rt[r.request_id], r.num_prompt_tokens, r.times.first_token,
+            reqs.append(RequestState(r.request_id, rt[r.request_id], len(r.prompt_token_ids), r.times.first_token,
                                      len(r.output_token_ids)))
-            queued += r.num_tokens + 1
+            queued += len(r.all_token_ids) + 1
         bs = s.kv.block_size
         self._status = InstanceStatus(self.instance_id, self.clock.now(), self._last_phase, self.t_switch,
                                       tuple(reqs), s.kv.num_free_blocks * bs - queued, s.kv.num_blocks * bs)

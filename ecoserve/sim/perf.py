@@ -185,8 +185,9 @@ def make_perf(model: str | ModelSpec, gpu: str | GPU = "L20", tp: int = 1, pp: i
     spec = get_model(model) if isinstance(model, str) else model
     dev = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if profile is not None:
-        return TablePerf.from_csv(profile, kv_bytes_per_token=spec.kv_bytes_per_token / tp,
-                                  kv_bandwidth=dev.mem_bandwidth * dev.bandwidth_efficiency, **knobs)
+        # Knobs override the defaults, e.g. kv_bytes_per_token=0 for a table measured with real contexts.
+        return TablePerf.from_csv(profile, **{"kv_bytes_per_token": spec.kv_bytes_per_token / tp,
+                                              "kv_bandwidth": dev.mem_bandwidth * dev.bandwidth_efficiency, **knobs})
     if isinstance(knobs.get("link"), str):
         knobs["link"] = get_link(knobs["link"])
     return RooflinePerf(spec, dev, tp=tp, pp=pp, **knobs)

@@ -22,7 +22,20 @@ def _wait_running(server, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_streaming_client_disconnect_frees_kv_and_counts_abort(server):
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    """Make each engine step take >= 20 ms so a 200-token request cannot finish while the client reads."""
+    executor = server.llm_engine.executor
+    execute = executor.execute
+
+    def slow(batch):
+        time.sleep(0.02)
+        return execute(batch)
+
+    monkeypatch.setattr(executor, "execute", slow)
+
+
+def test_streaming_client_disconnect_frees_kv_and_counts_abort(server, slow_steps):
     wait_idle(server)
     baseline, aborts = server.llm_engine.scheduler.kv.usage, _aborts(server.url)
     generated = server.llm_engine.stats["generation_tokens"]
@@ -45,7 +58,7 @@ def test_streaming_client_disconnect_frees_kv_and_counts_abort(server):
 @pytest.mark.parametrize("path,body", [("/v1/completions", LONG),
                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                                  "max_tokens": 200, "ignore_eos": True})])
-def test_non_streaming_client_disconnect_aborts(server, path, body):
+def test_non_streaming_client_disconnect_aborts(server, slow_steps, path, body):
     wait_idle(server)
     aborts = _aborts(server.url)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while the server is still generating

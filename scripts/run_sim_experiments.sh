@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs every named simulator experiment one after another (one core), writing JSON + PNG to
+# results/sim/ and a log to results/sim/experiments.log. About 30 CPU-minutes in all.
+# Usage: scripts/run_sim_experiments.sh [seconds of arrivals per rate point, default 30]
+set -euo pipefail
+DUR="${1:-30}"
+OUT=results/sim
+mkdir -p "$OUT"
+export OMP_NUM_THREADS=1
+for exp in scaling ablation overall slo burstiness mitosis; do
+  echo "=== $exp (duration ${DUR}s) $(date +%T)"
+  /usr/bin/time -f "$exp: %e s wall, %U s user" ecoserve simulate "$exp" --duration "$DUR" --out "$OUT"
+done
+echo "=== speed $(date +%T)"
+ecoserve simulate speed --num-requests 100000 --strategies ecoserve,vllm --out "$OUT"
+echo "=== done $(date +%T)"
