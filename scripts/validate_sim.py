@@ -1,7 +1,7 @@
 """Validate the simulator against the live engine on this machine.
 
-1. Profile: time the live engine's steps (`LLMEngine.step()`, one torch thread) for prompts of n
-   tokens -> a `tokens,ms` CSV (TD-Pipe's format; decode batches of b sequences read T(b)).
+1. Profile: time the live engine's steps (`LLMEngine.step()`, one torch thread) of n tokens -> a
+   `tokens,ms` CSV (TD-Pipe's format): decode batches of n sequences up to 16, single prompts above.
 2. Live: start `ecoserve serve --num-threads 1` and run `ecoserve bench serve` against it from a
    separate process (random dataset, Poisson arrivals, --ignore-eos, --save-result).
 3. Simulated: the same requests (same dataset code and arrival seed as the bench) on one simulated
@@ -28,34 +28,59 @@ import numpy as np
 PROFILE_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
 
 
-def measure_profile(model: str | None, num_threads: int, path: Path, reps: int = 5) -> list[tuple[int, float]]:
-    """Median wall time of one engine step that computes a single prompt of n tokens."""
+def measure_profile(model: str | None, num_threads: int, path: Path, reps: int = 7, decode_upto: int = 16,
+                    decode_context: int = 80) -> list[tuple[int, float]]:
+    """Median wall time of one live engine step (`LLMEngine.step()`) of n tokens.
+
+    The rows are measured with the step shapes a serving workload produces: up to `decode_upto`
+    tokens, a decode step of n sequences with `decode_context` tokens of context each (per-sequence
+    work: sampling, block tables, attention over the context); above it, one prompt of n tokens.
+    """
     from ecoserve.config import EngineConfig
     from ecoserve.engine.llm_engine import LLMEngine
     from ecoserve.sampling import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=model, num_threads=num_threads, seed=0))
-    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     counter = 0
 
-    def one(n: int) -> float:
+    def add(n_tokens: int, max_tokens: int) -> None:
         nonlocal counter
         counter += 1
-        ids = [100 + (counter * 7919 + 13 * i) % 20000 for i in range(n)]  # distinct: no prefix-cache hits
-        eng.add_request(f"profile-{counter}", {"prompt_token_ids": ids}, params)
-        t0 = time.perf_counter()
-        eng.step()
-        dt = time.perf_counter() - t0
+        ids = [100 + (counter * 7919 + 13 * i) % 20000 for i in range(n_tokens)]  # distinct: no prefix hits
+        eng.add_request(f"profile-{counter}", {"prompt_token_ids": ids},
+                        SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+
+    def drain() -> None:
         while eng.scheduler.has_unfinished_requests():
             eng.step()
+
+    def timed_step() -> float:
+        t0 = time.perf_counter()
+        eng.step()
+        return time.perf_counter() - t0
+
+    def prefill(n: int) -> float:
+        add(n, 1)
+        dt = timed_step()
+        drain()
         return dt
 
+    def decode(b: int) -> float:
+        for _ in range(b):
+            add(decode_context, reps + 2)
+        eng.step()  # all prompts in one step
+        times = [timed_step() for _ in range(reps)]
+        drain()
+        return statistics.median(times)
+
     for _ in range(3):
-        one(32)  # warm-up
+        prefill(32)  # warm-up
+    decode(2)
     rows = []
     for n in PROFILE_TOKENS:
-        rows.append((n, 1e3 * statistics.median(one(n) for _ in range(reps))))
-        print(f"profile: {n:4d} tokens {rows[-1][1]:8.1f} ms", flush=True)
+        ms = 1e3 * (decode(n) if n <= decode_upto else statistics.median(prefill(n) for _ in range(reps)))
+        rows.append((n, ms))
+        print(f"profile: {n:4d} tokens {ms:8.1f} ms ({'decode' if n <= decode_upto else 'prefill'})", flush=True)
     path.write_text("Total Length,Execute Time\n" + "".join(f"{n},{ms:.3f}\n" for n, ms in rows))
     return rows
 
@@ -69,6 +94,21 @@ def bench_args(a: argparse.Namespace, port: int, out: Path) -> list[str]:
             "--save-result", "--result-dir", str(out), "--result-filename", "live.json", "--disable-tqdm"]
 
 
+def wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with code {server.returncode}; see server.log")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise RuntimeError(f"the server did not answer on port {port} within {timeout_s:.0f} s")
+
+
 def run_live(a: argparse.Namespace, out: Path) -> dict:
     server_cmd = [sys.executable, "-m", "ecoserve.cli", "serve", "--num-threads", "1", "--port", str(a.port),
                   "--uvicorn-log-level", "warning"]
@@ -77,6 +117,7 @@ def run_live(a: argparse.Namespace, out: Path) -> dict:
     log = open(out / "server.log", "w")
     server = subprocess.Popen(server_cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        wait_ready(a.port, server)
         subprocess.run([sys.executable, "-m", "ecoserve.cli", "bench", "serve", *bench_args(a, a.port, out)],
                        check=True)
     finally:
@@ -131,6 +172,7 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-live", action="store_true", help="reuse OUT/profile.csv and OUT/live.json")
+    p.add_argument("--profile", default=None, help="reuse this tokens,ms CSV instead of measuring one")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,9 +181,10 @@ def main() -> int:
     else:
         from ecoserve.model.default import default_model_dir
         a.model_dir = str(default_model_dir())
-    profile = out / "profile.csv"
+    profile = Path(a.profile) if a.profile else out / "profile.csv"
     if not a.skip_live:
-        measure_profile(a.model, 1, profile)
+        if not a.profile:
+            measure_profile(a.model, 1, profile)
         live = run_live(a, out)
     else:
         live = json.loads((out / "live.json").read_text())
@@ -153,8 +196,8 @@ def main() -> int:
     for k, r in rows.items():
         print(f"| {k} | {r['live']:.1f} | {r['sim']:.1f} | {100 * r['ape']:.1f}% |")
     print(f"MAPE over the four: {100 * mape:.1f}%  (live completed {live.get('completed')}, sim {sim['completed']})")
-    (out / "validate.json").write_text(json.dumps({"args": {k: v for k, v in vars(a).items()}, "rows": rows,
-                                                   "mape": mape, "load_avg": os.getloadavg()}, indent=1))
+    (out / "validate.json").write_text(json.dumps({"args": vars(a), "rows": rows, "mape": mape,
+                                                   "load_avg_end": os.getloadavg()}, indent=1))
     return 0
 
 

@@ -10,6 +10,7 @@ import torch
 from ecoserve.clock import Clock, WallClock
 from ecoserve.config import EngineConfig
 from ecoserve.engine.attention import PagedKVCache
+from ecoserve.engine.cpu import tune_allocator
 from ecoserve.engine.detokenizer import IncrementalDetokenizer
 from ecoserve.engine.model_runner import ModelRunner
 from ecoserve.request import (CompletionOutput, Logprobs, Request, RequestMetrics, RequestOutput, RequestStatus)
@@ -55,6 +56,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            tune_allocator()
         self.clock = clock or WallClock()
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, revision=config.revision,
                             tokenizer=config.tokenizer)

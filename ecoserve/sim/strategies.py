@@ -137,7 +137,7 @@ class PaDGSim(ClusterSim):
                                                 free=list(range(start, total)))
             self.ticks["mitosis"] = mitosis_period
         if self.router_config.mode == "fixed_interval":
-            self.ticks["route"] = self.router_config.interval
+            self.ticks["route"] = self.router_config.interval_frac * ttft_slo
         self.ttft_window = ttft_window
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, macro, ttft)
         self.timeline: list[dict] = []

@@ -21,6 +21,14 @@ def test_every_request_finishes_once(name):
         assert r.arrival <= r.first_token <= r.decode_start <= r.finish
 
 
+@pytest.mark.parametrize("router", [{"mode": "fixed_interval", "interval_frac": 0.5}, {"order": "random"},
+                                    {"slack": "min"}])
+def test_ablation_variants_finish_every_request(router):
+    wl = synthetic("sharegpt", 6.0, 120, seed=3)
+    res = build("ecoserve", small_spec(), 5.0, 0.1, router=router).run(wl)
+    assert sorted(r.request_id for r in res.records) == sorted(r.request_id for r in wl)
+
+
 def test_simulation_is_deterministic():
     wl = synthetic("alpaca", 10.0, 100, seed=4)
     a = build("ecoserve", small_spec(), 1.0, 0.1).run(wl).records
