@@ -70,9 +70,10 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        # empty: pages are touched only when written, so an unused budget costs no resident memory
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # zeros, not empty: padded decode gathers read unwritten slots (masked out), and garbage that
+        # happens to be NaN would poison the masked softmax (0 * NaN = NaN)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
 
     @staticmethod

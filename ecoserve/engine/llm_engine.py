@@ -70,8 +70,10 @@ class LLMEngine:
         model.ensure_positions(self.max_model_len)
         block_size = config.cache.block_size
         per_token = PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
-        num_blocks = config.cache.num_gpu_blocks or (
-            (config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // (per_token * block_size))
+        # Default budget: 1 GiB, or less when even max_num_seqs requests at max_model_len need less.
+        budget = config.cache.kv_cache_memory_bytes or min(
+            DEFAULT_CPU_KV_BYTES, per_token * self.max_model_len * config.scheduler.max_num_seqs)
+        num_blocks = config.cache.num_gpu_blocks or budget // (per_token * block_size)
         capacity = num_blocks * block_size
         if capacity < self.max_model_len:
             raise ValueError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer than "
