@@ -3,8 +3,9 @@
 Per step the runner builds one `AttentionMetadata` (slot mapping, per-request gather indices);
 each layer writes its new K/V into the slots first and then attends, so a request may read KV
 written by another request earlier in the same step (prefix-cache hits on blocks in flight).
-Decodes (one query token) run as a single batched SDPA over padded context gathers; prompt
-chunks run per request with a causal mask offset by the cached prefix.
+Decodes (one query token) run in one call of a native kernel that reads K/V straight from the
+blocks (ecoserve.engine.kernels), or, without it, as batched SDPA over padded block gathers;
+prompt chunks run per request with a causal mask offset by the cached prefix.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ecoserve.engine.kernels import paged_decode
 
 
 @dataclass
@@ -27,6 +30,7 @@ class DecodeGroup:
     token_index: torch.Tensor  # [B] offsets of the decode tokens in the flattened step
     blocks: torch.Tensor  # [B, nblk] block tables padded with block 0
     mask: torch.Tensor | None  # [B, 1, 1, nblk * block_size] True where attended; None when nothing is padded
+    lens: torch.Tensor  # [B] context lengths
 
 
 @dataclass
@@ -37,12 +41,15 @@ class AttentionMetadata:
 
 
 def _decode_groups(token_index: list[int], ctx_lens: list[int], tables: list[list[int]], block_size: int,
-                   max_padding: float = 0.25) -> list[DecodeGroup]:
-    """Group decodes by context length so padded gathers waste at most ~max_padding of the reads."""
+                   max_padding: float | None = 0.25) -> list[DecodeGroup]:
+    """Group decodes by context length so padded gathers waste at most ~max_padding of the reads.
+
+    max_padding None: one group (the native kernel reads only each sequence's own length).
+    """
     order = sorted(range(len(ctx_lens)), key=ctx_lens.__getitem__, reverse=True)
     groups, current = [], []
     for i in order:
-        if current and ctx_lens[i] < (1 - max_padding) * ctx_lens[current[0]]:
+        if current and max_padding is not None and ctx_lens[i] < (1 - max_padding) * ctx_lens[current[0]]:
             groups.append(current)
             current = []
         current.append(i)
@@ -54,9 +61,9 @@ def _decode_groups(token_index: list[int], ctx_lens: list[int], tables: list[lis
         nblk = -(-int(lens[0]) // block_size)
         table = torch.tensor([(tables[i] + [0] * nblk)[:nblk] for i in members])
         mask = None
-        if int(lens.min()) != nblk * block_size:
+        if max_padding is not None and int(lens.min()) != nblk * block_size:
             mask = (torch.arange(nblk * block_size)[None, :] < lens[:, None])[:, None, None, :]
-        out.append(DecodeGroup(torch.tensor([token_index[i] for i in members]), table, mask))
+        out.append(DecodeGroup(torch.tensor([token_index[i] for i in members]), table, mask, lens))
     return out
 
 
@@ -84,9 +91,15 @@ class PagedKVCache:
 class PagedAttention:
     """The engine's attention backend (see ecoserve.model.attention.AttentionBackend)."""
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, use_native: bool | None = None) -> None:
         self.cache = cache
         self.meta: AttentionMetadata | None = None
+        native = None
+        if use_native is not False and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
+            native = paged_decode()
+        if use_native and native is None:
+            raise RuntimeError("the native paged decode kernel was asked for but could not be built")
+        self._native = native
 
     def build_metadata(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
         """spans: per request (start, num_tokens, block_table) in flattened order."""
@@ -106,7 +119,8 @@ class PagedAttention:
             else:
                 prefills.append(PrefillSpan(offset, n, end, blocks[:-(-end // bs)] if start > 0 else None))
             offset += n
-        decodes = _decode_groups(dec_index, dec_lens, dec_tables, bs) if dec_index else []
+        decodes = _decode_groups(dec_index, dec_lens, dec_tables, bs,
+                                 None if self._native else 0.25) if dec_index else []
         return AttentionMetadata(torch.cat(slot_chunks), prefills, decodes)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -135,6 +149,10 @@ class PagedAttention:
                                                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
             out[q_slice] = o[0].transpose(0, 1)
         for group in meta.decodes:
+            if self._native is not None:
+                out[group.token_index] = self._native(q[group.token_index], k_cache, v_cache, group.blocks, group.lens,
+                                                      scale)
+                continue
             b = group.blocks.shape[0]
             qd = q[group.token_index].unsqueeze(2)  # [B, Hq, 1, D]
             kd = k_cache[group.blocks].view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]

@@ -1,6 +1,7 @@
 """Paged attention against dense causal attention, for prompt chunks and decodes of mixed lengths."""
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -15,13 +16,14 @@ def dense(q, k, v, scale):
                                           scale=scale).transpose(0, 1)
 
 
-def test_paged_attention_equals_dense_over_steps():
+@pytest.mark.parametrize("native", [False, True], ids=["sdpa", "native"])
+def test_paged_attention_equals_dense_over_steps(native):
     torch.manual_seed(0)
     rng = random.Random(0)
     bs, hq, hkv, d, nblocks = 4, 6, 2, 8, 64
     cache = PagedKVCache(1, nblocks, bs, hkv, d, torch.float32)
     assert not cache.k.any() and not cache.v.any()  # unwritten slots are zero, never garbage
-    attn = PagedAttention(cache)
+    attn = PagedAttention(cache, use_native=native)
     free = list(range(nblocks))
     rng.shuffle(free)
     seqs = []  # per sequence: total length, chunks to run, block table, full q/k/v
