@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install bench clean
+.PHONY: run chat test install bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,9 @@ PORT ?= 8000
 # The OpenAI-compatible server on the embedded default model; it prints a curl example once it is up.
 run: $(STAMP)
 	$(VENV)/bin/ecoserve serve --host 127.0.0.1 --port $(PORT)
+
+chat: $(STAMP)
+	$(VENV)/bin/ecoserve generate --chat --prompt "What is the capital of France?" --max-tokens 48
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

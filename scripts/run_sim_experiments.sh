@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every named simulator experiment one after another (one core), writing JSON + PNG to
-# results/sim/ and a log to results/sim/experiments.log. About 30 CPU-minutes in all.
+# results/sim/ (about 29 CPU-minutes in all; progress lines on stdout, e.g. | tee results/sim/experiments.log).
 # Usage: scripts/run_sim_experiments.sh [seconds of arrivals per rate point, default 30]
 set -uo pipefail  # one failing experiment does not stop the others
 DUR="${1:-30}"

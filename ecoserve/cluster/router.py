@@ -12,6 +12,11 @@ Decisions the paper leaves open, as taken here:
   (no overtaking), so a long prompt is not starved by short ones.
 - Statuses must include the router's own dispatches (the simulator's are always fresh; a live
   provider overlays what it sent since the last report).
+- Slack (check 2) is each decoding request's lifetime slack, tokens x S_TPOT - (now - first token),
+  as the reference's Algorithm 1 writes it. `slack="phase"` is an experimental reading of the
+  paper's prose ("estimated over short intervals, accumulated per instance at each switch"): only
+  the slack banked since the instance's last prefill->decode switch counts (instances report each
+  request's token count at that switch). See docs/reproduction.md, "Slack and P99".
 - Fixed-interval routing (ablation, Figs. 15-16): every `interval` seconds, all pending requests
   go to the next instance of the cycle, subject only to the memory check.
 """
@@ -31,7 +36,7 @@ StatusOf = Callable[[int], InstanceStatus]
 class RouterConfig:
     ttft_slo: float
     tpot_slo: float
-    slack: str = "mean"  # "mean" (paper) | "min" (ablation: protect each request)
+    slack: str = "mean"  # "mean" (paper) | "min" (ablation: protect each request) | "phase" (see saved_tpot)
     order: str = "cyclic"  # "cyclic" (paper) | "random" (ablation)
     mode: str = "algorithm1"  # "algorithm1" | "fixed_interval" (ablation)
     interval_frac: float = 0.5  # fixed-interval period as a fraction of the TTFT SLO
@@ -39,8 +44,8 @@ class RouterConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.slack not in ("mean", "min"):
-            raise ValueError(f"slack must be 'mean' or 'min', got {self.slack!r}")
+        if self.slack not in ("mean", "min", "phase"):
+            raise ValueError(f"slack must be 'mean', 'min' or 'phase', got {self.slack!r}")
         if self.order not in ("cyclic", "random"):
             raise ValueError(f"order must be 'cyclic' or 'random', got {self.order!r}")
         if self.mode not in ("algorithm1", "fixed_interval"):
@@ -97,6 +102,7 @@ class MacroInstance:
         if cached is not None and cached[0] is st:
             return cached[1]
         cfg, window, n, sum_tok, sum_ft, min_term = self.config, 0.0, 0, 0, 0.0, float("inf")
+        sum_phase_tok, sum_phase_start = 0, 0.0
         for q in st.requests:
             if q.routed_time >= st.t_switch:
                 window += self.predict_prefill(q.prompt_len)
@@ -105,16 +111,23 @@ class MacroInstance:
                 sum_tok += q.num_output_tokens
                 sum_ft += q.first_token_time
                 min_term = min(min_term, q.num_output_tokens * cfg.tpot_slo + q.first_token_time)
-        agg = (window, n, sum_tok, sum_ft, min_term)
+                sum_phase_tok += q.num_output_tokens - q.tokens_at_switch
+                sum_phase_start += max(q.first_token_time, st.t_switch)
+        agg = (window, n, sum_tok, sum_ft, min_term, sum_phase_tok, sum_phase_start)
         self._agg[st.instance_id] = (st, agg)
         return agg
 
     def saved_tpot(self, st: InstanceStatus, now: float) -> float | None:
-        _, n, sum_tok, sum_ft, min_term = self._aggregates(st)
+        _, n, sum_tok, sum_ft, min_term, sum_phase_tok, sum_phase_start = self._aggregates(st)
         if n == 0:
             return None
         if self.config.slack == "min":
             return min_term - now
+        if self.config.slack == "phase":
+            # Experimental reading of the paper's prose ("estimated over short intervals, accumulated
+            # per instance at each switch"): only slack banked since the instance's last
+            # prefill->decode switch counts, so old requests' lifetime slack cannot fund new windows.
+            return self.config.tpot_slo * sum_phase_tok / n - now + sum_phase_start / n
         return self.config.tpot_slo * sum_tok / n - now + sum_ft / n  # mean of tokens*S_TPOT - (now - t_first)
 
     def memory_ok(self, st: InstanceStatus, prompt_len: int) -> bool:

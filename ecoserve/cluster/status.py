@@ -13,6 +13,7 @@ class RequestState(NamedTuple):
     prompt_len: int
     first_token_time: float | None
     num_output_tokens: int
+    tokens_at_switch: int = 0  # output tokens it had at the instance's last prefill->decode switch
 
 
 @dataclass(frozen=True)

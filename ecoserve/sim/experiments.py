@@ -216,6 +216,7 @@ def dynamic_mitosis(out: Path, model="codellama-34b", dataset="sharegpt", step_s
 def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requests=400) -> dict:
     """Figs. 15-16: cyclic vs random order; Algorithm 1 vs fixed-interval routing; mean vs min slack."""
     variants = {"algorithm1": {}, "random_order": {"order": "random"}, "min_slack": {"slack": "min"},
+                "phase_slack": {"slack": "phase"},
                 **{f"fixed_{f}": {"mode": "fixed_interval", "interval_frac": f} for f in (0.25, 0.5, 0.75, 1.0)}}
     res = {m: {t: {v: find_goodput("ecoserve", l20_spec(m), dataset, target=t, num_requests=num_requests,
                                    router=kw)["goodput"] for v, kw in variants.items()} for t in ("p90", "p99")}

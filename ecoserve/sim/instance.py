@@ -78,6 +78,7 @@ class SimInstance:
         self.routed_time: dict[str, float] = {}
         self.decode_start: dict[str, float] = {}
         self.t_switch = clock.now()
+        self._tokens_at_switch: dict[str, int] = {}  # request id -> output tokens at t_switch
         self._last_phase = "idle"
         self._status: InstanceStatus | None = None
         self.busy_time = 0.0
@@ -126,6 +127,7 @@ class SimInstance:
         phase = "prefill" if self.executor.has_prefill else "decode"
         if phase == "decode" and self._last_phase != "decode":
             self.t_switch = now  # prefill -> decode: the next admission window starts here
+            self._tokens_at_switch = {r.request_id: len(r.output_token_ids) for r in self.sched.running}
         self._last_phase = phase
         self._out, self._result, self.busy = out, result, True
         self.busy_time += result.duration
@@ -155,8 +157,9 @@ class SimInstance:
         if self._status is not None:
             return self._status
         s, rt = self.sched, self.routed_time
+        tas = self._tokens_at_switch
         reqs = [RequestState(r.request_id, rt[r.request_id], len(r.prompt_token_ids), r.times.first_token,
-                             len(r.output_token_ids)) for r in s.running]
+                             len(r.output_token_ids), tas.get(r.request_id, 0)) for r in s.running]
         queued = 0
         for r in s.waiting:
             reqs.append(RequestState(r.request_id, rt[r.request_id], len(r.prompt_token_ids), r.times.first_token,

@@ -118,3 +118,16 @@ def test_membership_changes_keep_cycle_valid():
 def test_bad_options_are_rejected():
     with pytest.raises(ValueError, match="slack"):
         RouterConfig(1.0, 0.1, slack="median")
+
+
+def test_phase_slack_counts_only_since_the_last_switch():
+    r = router(ttft_slo=2.0, slack="phase")
+    # t_switch 10.0, now 10.5. Request a: first token at 2.0, 100 tokens, 95 of them before the switch:
+    # phase slack 5*0.1 - (10.5 - 10.0) = 0.0 (its lifetime slack would be 100*0.1 - 8.5 = 1.5).
+    # Request b: first token at 10.2 (after the switch), 3 tokens: 3*0.1 - (10.5 - 10.2) = 0.0 either way.
+    reqs = (RequestState("a", 0.0, 100, 2.0, 100, 95), RequestState("b", 0.0, 100, 10.2, 3, 0))
+    st = InstanceStatus(0, 10.5, "decode", 10.0, reqs, 100_000, 100_000)
+    assert r.saved_tpot(st, 10.5) == pytest.approx(0.0)
+    assert router(ttft_slo=2.0).saved_tpot(st, 10.5) == pytest.approx((1.5 + 0.0) / 2)
+    c = r.check(st, 1, now=10.5)
+    assert (c.ok, c.reason) == (False, "tpot")  # no slack banked in this phase: roll to the next instance
