@@ -37,6 +37,8 @@ class SchedulerConfig:
         _need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _need(self.max_model_len is None or self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        _need(self.max_waiting is None or self.max_waiting >= 1,
+              f"max_waiting (--max-waiting-requests) must be >= 1, got {self.max_waiting}")
 
 
 @dataclass

@@ -11,7 +11,7 @@ import time
 import torch
 
 from ecoserve.engine.attention import PagedAttention, PagedKVCache
-from ecoserve.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from ecoserve.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 
 
@@ -33,7 +33,7 @@ class ModelRunner:
             return None
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = self._generators[request.request_id] = torch.Generator().manual_seed(seed)
+            gen = self._generators[request.request_id] = make_generator(seed, self.device)
         return gen
 
     @torch.inference_mode()
@@ -65,8 +65,7 @@ class ModelRunner:
         result = StepResult()
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows])])
-            rows = [SamplingRow(c.request.sampling_params, c.request.prompt_token_ids, c.request.output_token_ids,
-                                c.request.eos_token_ids, self._generator(c.request)) for c, _ in sample_rows]
+            rows = [SamplingRow.from_request(c.request, self._generator(c.request)) for c, _ in sample_rows]
             sampled = self.sampler(logits, rows)
             for k, (chunk, _) in enumerate(sample_rows):
                 rid = chunk.request.request_id

@@ -44,8 +44,6 @@ def run_server(args: argparse.Namespace) -> int:
     from ecoserve.engine.llm_engine import LLMEngine
     from ecoserve.server.app import create_app
 
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     kwargs = engine_kwargs(args)
     kwargs["max_waiting"] = args.max_waiting_requests
     engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
