@@ -1,4 +1,7 @@
-"""Native CPU kernels, compiled on first use with torch.utils.cpp_extension (cached per machine).
+"""Native CPU kernels, compiled on first use with torch.utils.cpp_extension.
+
+Builds are cached under `$ECOSERVE_CACHE` (or `~/.cache/ecoserve`)/kernels, one folder per torch
+version; the source's hash decides whether a rebuild is needed.
 
 The engine works without them: if the compiler or ninja is missing, or ECOSERVE_NO_NATIVE=1,
 `paged_decode()` returns None and attention falls back to torch SDPA over gathered blocks.
@@ -14,6 +17,23 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+_STALE_LOCK_S = 300  # a build holding its lock longer than this was killed: torch would wait forever
+
+
+def _build_dir() -> Path:
+    import torch
+
+    from ecoserve.model.gguf import cache_root
+
+    path = cache_root() / "kernels" / f"torch-{torch.__version__}"
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        logger.warning("removing a stale kernel build lock left by a killed build: %s", lock)
+        lock.unlink(missing_ok=True)
+    return path
+
+
 @functools.lru_cache(maxsize=1)
 def _load():
     if os.environ.get("ECOSERVE_NO_NATIVE") == "1":
@@ -23,7 +43,8 @@ def _load():
 
         started = time.perf_counter()
         module = load("ecoserve_paged_decode", [str(Path(__file__).with_name("paged_decode.cpp"))],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], verbose=False)
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                      build_directory=str(_build_dir()), verbose=False)
         logger.debug("native paged decode kernel ready in %.1f s", time.perf_counter() - started)
         return module
     except Exception as e:  # no compiler, no ninja, a build error: the SDPA path still works
