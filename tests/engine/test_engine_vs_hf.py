@@ -174,3 +174,12 @@ def test_stop_token_ids_and_offline_api_shapes(tiny_llm):
     chat = llm.chat([{"role": "user", "content": "Why is the sky blue?"}],
                     SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert len(chat) == 1 and chat[0].outputs[0].token_ids
+
+
+def test_default_sampling_params_come_from_generation_config(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", generation_config={"temperature": 0.3, "top_p": 0.8,
+                                                                           "top_k": 7, "do_sample": True})
+    llm = LLM(str(path))
+    params = llm.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k) == (0.3, 0.8, 7)
+    assert llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids
