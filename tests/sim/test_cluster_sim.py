@@ -47,7 +47,6 @@ def test_mitosis_loses_nothing_and_drained_instances_get_nothing_new():
         original(a)
         if a.kind == "drain":
             inst = sim.instances[a.instances[0]]
-            before = set(inst.routed_time)
             inst_add = inst.add
 
             def add(rid, *args, **kw):
