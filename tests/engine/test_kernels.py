@@ -15,3 +15,11 @@ def test_stale_build_lock_is_removed_and_fresh_one_kept(tmp_path, monkeypatch):
     os.utime(lock, (old, old))
     kernels._build_dir()
     assert not lock.exists()
+
+
+def test_pip_ninja_is_put_on_path_when_none_is_there(monkeypatch):
+    ninja = __import__("pytest").importorskip("ninja")
+    monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nowhere")
+    kernels._put_ninja_on_path()
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -34,6 +35,17 @@ def _build_dir() -> Path:
     return path
 
 
+def _put_ninja_on_path() -> None:
+    """torch finds ninja on PATH; the pip `ninja` package's binary is not there unless the venv is active."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.lru_cache(maxsize=1)
 def _load():
     if os.environ.get("ECOSERVE_NO_NATIVE") == "1":
@@ -41,6 +53,7 @@ def _load():
     try:
         from torch.utils.cpp_extension import load
 
+        _put_ninja_on_path()
         started = time.perf_counter()
         module = load("ecoserve_paged_decode", [str(Path(__file__).with_name("paged_decode.cpp"))],
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
