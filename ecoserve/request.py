@@ -53,8 +53,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     times: RequestTimes = field(init=False)
-    # Optional routing metadata for the cluster layer (e.g. known output length in the simulator).
-    expected_output_len: int | None = None
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
@@ -71,11 +69,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_prefill(self) -> bool:
-        """True while some prompt (or recomputed) token still lacks KV beyond the newest one."""
-        return self.num_tokens - self.num_computed_tokens > 1
 
     @property
     def finished(self) -> bool:

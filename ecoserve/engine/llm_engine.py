@@ -86,7 +86,7 @@ class LLMEngine:
         self.executor = ModelRunner(model, num_blocks, block_size, config.device, config.seed)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -166,7 +166,6 @@ class LLMEngine:
             return []
         result = self.executor.execute(out)
         self.scheduler.update(out, result)
-        self.stats["steps"] += 1
         touched: dict[str, _Parent] = {}
         for chunk in out.chunks:
             parent = self._child_to_parent.get(chunk.request.request_id)

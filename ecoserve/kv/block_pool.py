@@ -49,10 +49,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
     def allocate(self, n: int) -> list[KVBlock]:
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
@@ -60,9 +56,7 @@ class BlockPool:
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
-                if self._cached.get(block.block_hash) is block:
-                    del self._cached[block.block_hash]
-                block.clear_cache_entry()
+                self.uncache(block)  # evict: its KV is about to be overwritten
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -100,11 +94,7 @@ class BlockPool:
         self._cached[block_hash] = block
 
     def uncache(self, block: KVBlock) -> None:
+        """Take the block out of the prefix index (it stays allocated or free as it was)."""
         if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         block.clear_cache_entry()
-
-    def reset_prefix_cache(self) -> None:
-        for block in self._cached.values():
-            block.clear_cache_entry()
-        self._cached.clear()

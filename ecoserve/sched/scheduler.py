@@ -24,7 +24,7 @@ _RUNNING = RequestStatus.RUNNING
 
 
 def prefilling(reqs) -> list[Request]:
-    """The requests with prompt (or recomputed) tokens left beyond the newest one (`Request.is_prefill`)."""
+    """The requests with prompt (or recomputed) tokens left beyond the newest one."""
     return [r for r in reqs if len(r.all_token_ids) - r.num_computed_tokens > 1]
 
 
