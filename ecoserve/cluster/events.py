@@ -1,0 +1,180 @@
+"""The contract between a cluster controller and its drivers: typed events in, typed actions out.
+
+A controller (NoDG, FuDG, PaDG with mitosis) is pure policy: it reads time only from the `Clock`
+it was built with, never touches sockets, tensors or the simulator, and answers each event with
+the actions the driver must carry out. Two drivers run the same controllers: `ecoserve.sim`
+(simulated instances on virtual time, a network model) and `ecoserve.live` (instance processes
+over ZeroMQ on the wall clock). Instances are named by integer ids the driver assigns.
+
+Messages are frozen dataclasses so that a driver can log, compare and replay them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Union
+
+from ecoserve.cluster.status import InstanceStatus
+
+
+# ---- events: driver -> controller -------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestArrived:
+    """A client request entered the cluster (the driver has tokenized it)."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class InstanceReported:
+    """A fresh status from one instance (the live driver overlays dispatches sent since it)."""
+
+    status: InstanceStatus
+
+
+@dataclass(frozen=True)
+class InstanceJoined:
+    """An instance is up and can take work (live: its `ready` message arrived)."""
+
+    instance_id: int
+    total_kv_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """FuDG: the prefill instance sampled the first token; the request's KV can be exported."""
+
+    request_id: str
+    instance_id: int
+    num_tokens: int  # tokens whose KV exists on the prefill instance (the prompt)
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """FuDG: a request's KV arrived at the decode instance."""
+
+    request_id: str
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    request_id: str
+    instance_id: int
+
+
+@dataclass(frozen=True)
+class RequestAborted:
+    """The client went away (or the request's deadline passed): forget it everywhere."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class InstanceLost:
+    """Process exit, missed heartbeat deadline or socket disconnect."""
+
+    instance_id: int
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    name: str  # a timer the controller asked for with `SetTimer`
+
+
+Event = Union[RequestArrived, InstanceReported, InstanceJoined, PrefillDone, TransferDone, RequestFinished,
+              RequestAborted, InstanceLost, TimerFired]
+
+
+# ---- actions: controller -> driver ------------------------------------------------------------
+@dataclass(frozen=True)
+class Dispatch:
+    """Run the request on an instance, producing at most `max_tokens` output tokens.
+
+    `imported_tokens` > 0: the request's first tokens' KV comes from a `TransferKV`; the instance
+    must not compute them (FuDG decode side).
+    """
+
+    request_id: str
+    instance_id: int
+    max_tokens: int
+    imported_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TransferKV:
+    request_id: str
+    src: int
+    dst: int
+    num_tokens: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class OpenWindow:
+    """The instance enters its prefill window (temporal policy: prompts may run)."""
+
+    instance_id: int
+
+
+@dataclass(frozen=True)
+class CloseWindow:
+    instance_id: int
+
+
+@dataclass(frozen=True)
+class HoldOutput:
+    """Keep this instance's new tokens from clients until `ReleaseOutput` (reference mode)."""
+
+    instance_id: int
+
+
+@dataclass(frozen=True)
+class ReleaseOutput:
+    """Flush what was held for the instance, and stream its tokens again."""
+
+    instance_id: int
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A mitosis step applied to the topology: `kind` is add | split | drain | merge | release."""
+
+    kind: str
+    macro: int
+    instances: tuple[int, ...] = ()
+    other: int | None = None  # the new macro (split) or the absorbed one (merge)
+
+
+@dataclass(frozen=True)
+class FinishRequest:
+    """End a request the cluster cannot serve (e.g. re-routed too often): the driver reports `reason`."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SetTimer:
+    """Deliver `TimerFired(name)` at `time` (controller clock)."""
+
+    name: str
+    time: float
+
+
+Action = Union[Dispatch, TransferKV, OpenWindow, CloseWindow, HoldOutput, ReleaseOutput, Scale, FinishRequest,
+               SetTimer]
+
+
+class ClusterController(Protocol):
+    """What every strategy's controller offers to both drivers."""
+
+    def start(self) -> list[Action]:
+        """Actions due before the first event (initial windows, timers)."""
+        ...
+
+    def handle(self, event: Event) -> list[Action]: ...
