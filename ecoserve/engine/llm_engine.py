@@ -9,7 +9,7 @@ import torch
 
 from ecoserve.clock import Clock, WallClock
 from ecoserve.config import EngineConfig
-from ecoserve.engine.attention import PagedKVCache
+from ecoserve.engine.kv_cache import PagedKVCache
 from ecoserve.engine.cpu import tune_allocator
 from ecoserve.engine.detokenizer import IncrementalDetokenizer
 from ecoserve.engine.model_runner import ModelRunner

@@ -10,69 +10,23 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from ecoserve.clock import Clock
 from ecoserve.config import CacheConfig, SchedulerConfig
 from ecoserve.kv.manager import KVCacheManager
 from ecoserve.request import Request, RequestStatus
-from ecoserve.sched.interface import ScheduledChunk, SchedulerOutput, StepResult
+from ecoserve.sched.interface import SchedulerOutput, StepResult
+from ecoserve.sched.policies import make_policy
 from ecoserve.sched.status import RequestProgress, SchedulerStatus
+from ecoserve.sched.step import StepBuilder
 
 logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
 
 
-def prefilling(reqs) -> list[Request]:
-    """The requests with prompt (or recomputed) tokens left beyond the newest one."""
-    return [r for r in reqs if len(r.all_token_ids) - r.num_computed_tokens > 1]
-
-
-def decoding(reqs) -> list[Request]:
-    """The complement of `prefilling`, in order."""
-    return [r for r in reqs if len(r.all_token_ids) - r.num_computed_tokens <= 1]
-
-
-@dataclass
-class StepBuilder:
-    """The batch being assembled this step: chunks in order and the budget left."""
-
-    token_budget: int
-    seq_budget: int
-    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
-    num_preempted: int = 0
-    num_prefill_chunks: int = 0  # chunks with `is_prefill`, kept as they come and go
-
-    def add(self, req: Request, num_tokens: int) -> None:
-        start = req.num_computed_tokens
-        samples = start + num_tokens == len(req.all_token_ids)
-        self.chunks[req.request_id] = ScheduledChunk(req, start, num_tokens, samples)
-        if num_tokens != 1 or not samples:
-            self.num_prefill_chunks += 1
-        self.token_budget -= num_tokens
-        self.seq_budget -= 1
-
-    def remove(self, req: Request) -> None:
-        chunk = self.chunks.pop(req.request_id, None)
-        if chunk is not None:
-            self.token_budget += chunk.num_tokens
-            self.seq_budget += 1
-            if chunk.is_prefill:
-                self.num_prefill_chunks -= 1
-
-    @property
-    def has_prefill(self) -> bool:
-        return self.num_prefill_chunks > 0
-
-    def full(self) -> bool:
-        return self.token_budget <= 0 or self.seq_budget <= 0
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, clock: Clock,
                  max_model_len: int | None = None) -> None:
-        from ecoserve.sched.policies import make_policy
-
         self.config = config
         self.clock = clock
         self.max_model_len = max_model_len or config.max_model_len
@@ -148,38 +102,42 @@ class Scheduler:
     # ---- the mechanism policies use ------------------------------------------------------
     def schedule_running(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Give a running request its next tokens, preempting newer requests if KV runs out."""
-        # Hot path (once per request per step): plain comparisons instead of min() and properties.
-        n = len(req.all_token_ids) - req.num_computed_tokens
-        if step.token_budget < n:
-            n = step.token_budget
-        if max_tokens and max_tokens < n:
-            n = max_tokens
-        if n <= 0 or step.seq_budget <= 0:
-            return False
-        kv = self.kv
-        while not kv.allocate_slots(req, n):
-            victim = max(self.running, key=lambda r: self._order[r.request_id])
-            self.preempt(victim, step)
-            if victim is req:
-                return False
-        step.add(req, n)
-        if kv.enable_prefix_caching:
-            kv.cache_blocks(req, req.num_computed_tokens + n)
-        return True
+        self.schedule_running_all((req,), step, max_tokens)
+        return req.request_id in step.chunks
 
-    def schedule_running_all(self, reqs: list[Request], step: StepBuilder) -> None:
-        """`schedule_running` for each request in order, skipping those preempted meanwhile, until the step is full."""
-        running, preempted, kv = self.running, step.num_preempted, self.kv
-        fits, add, caching = kv.fits_in_own_blocks, step.add, kv.enable_prefix_caching
+    def schedule_running_all(self, reqs, step: StepBuilder, max_tokens: int | None = None) -> None:
+        """Give each running request in order its next tokens (at most `max_tokens`), preempting newer
+        requests if KV runs out; skips those preempted meanwhile and stops once the step is full.
+
+        The one path for running requests (a decode is a one-token chunk like any other). It runs
+        once per request per step, so it uses locals and plain comparisons instead of min() and
+        properties; a decode that fits its blocks costs one allocate_slots check and one add.
+        """
+        running, kv, order = self.running, self.kv, self._order
+        allocate, add, caching = kv.allocate_slots, step.add, kv.enable_prefix_caching
+        preempted = step.num_preempted
         for req in reqs:
-            if step.token_budget <= 0 or step.seq_budget <= 0:
-                break  # a full step stays full: only preemption frees budget, and it needs a schedule_running
+            budget = step.token_budget
+            if budget <= 0 or step.seq_budget <= 0:
+                break  # a full step stays full: only preemption frees budget, and that needs a request scheduled
             if step.num_preempted != preempted and req not in running:
                 continue  # preempted for an older request earlier in this loop
-            if not caching and len(req.all_token_ids) - req.num_computed_tokens == 1 and fits(req, 1):
-                add(req, 1)  # a decode in the blocks it has: what schedule_running would do, without the calls
+            n = len(req.all_token_ids) - req.num_computed_tokens
+            if budget < n:
+                n = budget
+            if max_tokens and max_tokens < n:
+                n = max_tokens
+            if n <= 0:
+                continue
+            while not allocate(req, n):
+                victim = max(running, key=lambda r: order[r.request_id])
+                self.preempt(victim, step)
+                if victim is req:
+                    break
             else:
-                self.schedule_running(req, step)
+                add(req, n)
+                if caching:
+                    kv.cache_blocks(req, req.num_computed_tokens + n)
 
     def admit(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Move a waiting request into running with its first chunk, if the seat, budget and KV allow."""
