@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus health, metrics and tokenizer routes."""
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -17,13 +18,25 @@ from ecoserve.server.metrics import ServerMetrics
 from ecoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ecoserve.server.serving import ServerState
 
+logger = logging.getLogger(__name__)
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> FastAPI:
-    """An app serving `engine`; the engine thread starts with the app's lifespan and stops with it."""
+
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")
+
+
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, generation_config: str = "auto") -> FastAPI:
+    """An app serving `engine`; the engine thread starts with the app's lifespan and stops with it.
+
+    generation_config "auto": sampling fields a request omits take the model's generation_config.json
+    values (as vLLM's `--generation-config auto`); "vllm": they take OpenAI's defaults.
+    """
+    if generation_config not in GENERATION_CONFIG_CHOICES:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
     name = served_model_name or engine.engine.model_name
     if engine.observer is None:
         engine.observer = ServerMetrics(engine.engine, name)
-    state = ServerState(engine, name, engine.observer)
+    state = ServerState(engine, name, engine.observer, use_generation_config=generation_config == "auto")
+    _log_sampling_defaults(state, generation_config)
     created = int(time.time())
 
     @asynccontextmanager
@@ -96,3 +109,18 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> Fas
 
     return app
 
+
+
+def _log_sampling_defaults(state: ServerState, generation_config: str) -> None:
+    model_defaults = state.engine.engine.loaded.generation_defaults
+    if state.defaults:
+        logger.info("requests that omit them get the model's generation_config.json sampling defaults: %s "
+                    "(--generation-config vllm turns this off)",
+                    ", ".join(f"{k}={v}" for k, v in sorted(state.defaults.items())))
+    elif model_defaults:
+        logger.info("--generation-config %s: ignoring the model's sampling defaults (%s); requests that omit "
+                    "them get OpenAI's (temperature=1.0, top_p=1.0)", generation_config,
+                    ", ".join(f"{k}={v}" for k, v in sorted(model_defaults.items())))
+    else:
+        logger.info("the model's generation_config.json sets no sampling defaults; requests that omit them get "
+                    "OpenAI's (temperature=1.0, top_p=1.0)")
