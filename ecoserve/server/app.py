@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 import ecoserve
 from ecoserve.engine.async_engine import AsyncEngine
@@ -49,13 +50,13 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, genera
     app.state.server = state
     install_error_handlers(app)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(raw: Request) -> Response:
-        return await create_completion(state, CompletionRequest.model_validate_json(await raw.body()), raw)
+        return await create_completion(state, CompletionRequest.parse(await raw.body()), raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response:
-        return await create_chat_completion(state, ChatCompletionRequest.model_validate_json(await raw.body()), raw)
+        return await create_chat_completion(state, ChatCompletionRequest.parse(await raw.body()), raw)
 
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "ecoserve",
@@ -85,9 +86,9 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, genera
     async def version() -> dict:
         return {"version": getattr(ecoserve, "__version__", "0")}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(raw: Request) -> dict:
-        body = TokenizeRequest.model_validate_json(await raw.body())
+        body = TokenizeRequest.parse(await raw.body())
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
@@ -97,9 +98,9 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, genera
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> dict:
-        body = DetokenizeRequest.model_validate_json(await raw.body())
+        body = DetokenizeRequest.parse(await raw.body())
         state.check_model(body.model)
         vocab = engine.engine.loaded.spec.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -107,8 +108,31 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, genera
             raise bad_request(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
+    _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that parses `model` itself (to keep OpenAI-shaped errors)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Add the request models (their fields, types and value ranges) to the app's /openapi.json."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _log_sampling_defaults(state: ServerState, generation_config: str) -> None:
