@@ -40,7 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ecoserve: hold the prefill instance's output (default: on in reference mode only)")
     p.add_argument("--duration", type=float, default=None,
                    help="experiments: seconds of arrivals per rate point (default 45)")
-    p.add_argument("--strategies", default=None, help="speed: comma-separated strategies")
+    p.add_argument("--strategies", default=None,
+                   help="experiments: comma-separated series (vllm, sarathi, distserve, mooncake, ecoserve "
+                        "[paper mode], ecoserve_ref [reference mode]); speed: strategies")
+    p.add_argument("--mitosis-step", type=float, default=None, help="mitosis: seconds per rate step (default 120)")
     p.add_argument("--models", default=None, help="experiments: comma-separated models (default: the paper's)")
     p.add_argument("--datasets", default=None, help="experiments: comma-separated datasets")
     p.set_defaults(func=main)
@@ -60,8 +63,10 @@ def main(args: argparse.Namespace) -> int:
         if args.duration:
             experiments.ARRIVAL_S = args.duration
         kw = {"num_requests": args.num_requests} if args.num_requests and args.experiment != "mitosis" else {}
-        if args.strategies and args.experiment == "speed":
+        if args.strategies and args.experiment != "ablation":
             kw["strategies"] = tuple(args.strategies.split(","))
+        if args.mitosis_step and args.experiment == "mitosis":
+            kw["step_s"] = args.mitosis_step
         if args.models and args.experiment in ("overall", "scaling", "ablation"):
             kw["models"] = tuple(args.models.split(","))
         if args.datasets and args.experiment == "overall":
