@@ -1,0 +1,105 @@
+"""A request as the frontend tracks it: its client stream, where it runs, and its output so far.
+
+Deltas from instances are folded into per-sample histories here and handed to the client as
+`RequestOutput`s, so the OpenAI handlers read the same objects as from a single engine.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ecoserve.live.messages import Delta
+from ecoserve.request import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from ecoserve.sampling import SamplingParams
+
+
+@dataclass
+class Sample:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float | None = None
+    base_logprob: float = 0.0  # what earlier instances contributed (FuDG: the prefill's first token)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class LiveRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    deadline: float
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | BaseException
+    samples: list[Sample] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    instance: int | None = None
+    continues: bool = False  # dispatched with a lower token limit: a stop at that limit is not the end
+    transfer: int | None = None  # the KV transfer in flight (FuDG)
+    reroutes: int = 0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    done: bool = False
+    held: list[RequestOutput] = field(default_factory=list)  # outputs kept from the client (output hold)
+
+    def __post_init__(self) -> None:
+        self.samples = [Sample() for _ in range(self.params.n)]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.samples[0].token_ids)
+
+    @property
+    def streamed(self) -> bool:
+        """Has the client seen any token? (Then it can no longer move to another instance.)"""
+        return self.first_token is not None
+
+    def remaining_tokens(self, max_model_len: int) -> int:
+        room = max_model_len - len(self.prompt_token_ids) - self.num_output_tokens
+        limit = self.params.max_tokens
+        return room if limit is None else min(limit - self.num_output_tokens, room)
+
+    def apply(self, d: Delta, now: float) -> bool:
+        """Fold one delta in; True when the sample reached its real end (not a stop at a dispatch limit)."""
+        s = self.samples[d.index] if d.index < len(self.samples) else None
+        if s is None:
+            return False
+        if d.token_ids:
+            if self.first_token is None:
+                self.first_token = now
+            self.last_token = now
+        s.token_ids.extend(d.token_ids)
+        s.text += d.text
+        if d.logprobs is not None:
+            s.logprobs = (s.logprobs or []) + list(d.logprobs)
+        if d.cumulative_logprob is not None:
+            s.cumulative_logprob = s.base_logprob + d.cumulative_logprob
+        if d.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = d.prompt_logprobs
+        if d.num_cached_tokens and not self.num_cached_tokens:
+            self.num_cached_tokens = d.num_cached_tokens
+        if d.finish_reason is None:
+            return False
+        if self.continues and d.finish_reason == "length":
+            s.base_logprob = s.cumulative_logprob or 0.0
+            return False
+        s.finish_reason, s.stop_reason = d.finish_reason, d.stop_reason
+        return True
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def output(self) -> RequestOutput:
+        """The request's output so far (cumulative: each one holds everything up to now)."""
+        outs = [CompletionOutput(i, s.text, list(s.token_ids), s.cumulative_logprob,
+                                 list(s.logprobs) if s.logprobs is not None else None, s.finish_reason, s.stop_reason)
+                for i, s in enumerate(self.samples)]
+        metrics = RequestMetrics(self.arrival, self.first_scheduled, self.first_token, self.last_token, self.finished)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, outs,
+                             self.all_finished, metrics, self.num_cached_tokens)
