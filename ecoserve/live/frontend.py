@@ -21,12 +21,17 @@ import zmq.asyncio
 from ecoserve.cluster import events as ev
 from ecoserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineShutdownError
 from ecoserve.live import messages as m
-from ecoserve.live.board import InstanceBoard, InstanceHandle
+from ecoserve.live.board import InstanceBoard, InstanceHandle, profile_step_time
 from ecoserve.live.requests import LiveRequest
 from ecoserve.request import RequestOutput
 from ecoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+STAGING = getattr(ev, "STAGING", -1)  # a TransferKV destination: the decode side's staging buffer
+
+# (prefill step time of n tokens, the board's status reader) -> a ClusterController
+ControllerFactory = Callable[[Callable[[int], float], Callable[[int], Any]], Any]
 
 
 class InstanceLostError(EngineDeadError):
@@ -45,7 +50,6 @@ class FrontendOptions:
     request_timeout_s: float = 600.0  # every request ends by then
     kv_transfer_timeout_s: float = 10.0
     ready_timeout_s: float = 300.0  # launched instances that have not joined by then are lost
-    max_reroutes: int = 2
     max_waiting: int | None = None
 
 
@@ -60,11 +64,12 @@ class FrontendModel:
 
 
 class ClusterEngine:
-    def __init__(self, model: FrontendModel, controller: Any, instance_ids: list[int],
+    def __init__(self, model: FrontendModel, controller_factory: ControllerFactory, instance_ids: list[int],
                  launcher: Any | None = None, options: FrontendOptions = FrontendOptions(),
                  observer: Any | None = None, identity: str | None = None) -> None:
         self.engine = model
-        self.controller = controller
+        self.controller_factory = controller_factory
+        self.controller: Any = None  # built once every launched instance has joined (it needs their profile)
         self.launcher = launcher
         self.opts = options
         self.observer = observer
@@ -81,7 +86,7 @@ class ClusterEngine:
         self._sock: zmq.asyncio.Socket | None = None
         self.address: str | None = None
         self._tasks: list[asyncio.Task] = []
-        self._early: list[ev.RequestArrived] = []  # arrivals before the cluster is up
+        self._early: list[ev.Event] = []  # joins and arrivals before the controller exists
         self.ready = asyncio.Event()
         self._accepting = True
         self.dead_error: BaseException | None = None
@@ -105,7 +110,6 @@ class ClusterEngine:
             self.address = self.opts.bind
         for iid in self.planned:
             self.board.add(InstanceHandle(iid))
-        self._act(self.controller.start())
         if self.launcher is not None:
             for iid in self.planned:
                 pid = self.launcher.launch(iid, self.address)
@@ -205,12 +209,8 @@ class ClusterEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def _arrive(self, req: LiveRequest) -> None:
-        event = ev.RequestArrived(req.request_id, len(req.prompt_token_ids),
-                                  req.remaining_tokens(self.engine.max_model_len), req.arrival)
-        if self.ready.is_set():
-            self._post(event)
-        else:
-            self._early.append(event)
+        self._post(ev.RequestArrived(req.request_id, len(req.prompt_token_ids),
+                                     req.remaining_tokens(self.engine.max_model_len), req.arrival))
 
     def _end(self, req: LiveRequest, error: BaseException | None = None) -> None:
         """Forget a request; abort it wherever it still runs; hand `error` to its client."""
@@ -240,6 +240,10 @@ class ClusterEngine:
 
     # ---- controller --------------------------------------------------------------------------
     def _post(self, event: ev.Event) -> None:
+        if self.controller is None:
+            if isinstance(event, (ev.RequestArrived, ev.InstanceJoined)):
+                self._early.append(event)
+            return  # statuses are read from the board on demand; nothing else can happen yet
         try:
             actions = self.controller.handle(event)
         except Exception:
@@ -262,40 +266,87 @@ class ClusterEngine:
         if req is None:
             return
         if h is None or h.state in ("lost", "starting") or h.identity is None:
-            logger.error("dispatch of %s to unusable instance %s", a.request_id, a.instance_id)
-            self._fail_or_reroute(req)
+            self._end(req, InstanceLostError(f"the controller sent the request to unusable instance {a.instance_id}"))
+            self._post(ev.RequestAborted(req.request_id))
             return
+        if req.streamed and not a.imported_tokens:
+            self._end(req, InstanceLostError("the request had streamed tokens and cannot move to another instance"))
+            self._post(ev.RequestAborted(req.request_id))
+            return
+        if req.lost_from is not None:
+            req.lost_from = None
+            req.reroutes += 1
+            self.counters["reroutes"] += 1
+        now = time.monotonic()
+        if req.first_scheduled is None:
+            req.first_scheduled = now
+        if a.imported_tokens and req.kv_dst != a.instance_id:  # the KV is still on the prefill side: fetch it
+            if req.kv_src is None:
+                self._end(req, InstanceLostError("a decode dispatch came before any KV transfer"))
+                self._post(ev.RequestAborted(req.request_id))
+                return
+            req.pending = a
+            self._export(req, req.kv_src, h, a.imported_tokens)
+            return
+        self._send_add(req, h, a)
+
+    def _send_add(self, req: LiveRequest, h: InstanceHandle, a: ev.Dispatch) -> None:
         remaining = req.remaining_tokens(self.engine.max_model_len)
         limit = min(remaining, a.max_tokens)
         req.continues = limit < remaining
         if req.continues and req.params.n > 1:
             self._end(req, ValueError("n > 1 is not supported by disaggregated (FuDG) strategies"))
+            self._post(ev.RequestAborted(req.request_id))
             return
         ids = req.prompt_token_ids
         params = req.params.clone(max_tokens=limit)
-        if a.imported_tokens:  # the decode side: the prompt and the tokens produced so far, their KV imported
+        if a.imported_tokens:  # the decode leg: the prompt and the tokens produced so far, their KV imported
             ids = ids + req.samples[0].token_ids
             params = params.clone(min_tokens=max(req.params.min_tokens - req.num_output_tokens, 0),
                                   prompt_logprobs=None)
-        now = time.monotonic()
-        req.instance = a.instance_id
-        if req.first_scheduled is None:
-            req.first_scheduled = now
-        seq = self.board.dispatched(h, req.request_id, len(ids), now)
+        req.instance = h.instance_id
+        seq = self.board.dispatched(h, req.request_id, len(ids), time.monotonic())
         self._send(h, m.AddRequest(seq, req.request_id, ids, params, req.prompt, req.continues, a.imported_tokens))
 
     def _transfer(self, a: ev.TransferKV) -> None:
+        """Ship KV to `a.dst`; to STAGING, the prefill instance keeps it pinned until a decode dispatch names one."""
         req = self.requests.get(a.request_id)
-        src, dst = self.board.instances.get(a.src), self.board.instances.get(a.dst)
         if req is None:
             return
-        if src is None or dst is None or dst.ready is None or "lost" in (src.state, dst.state):
-            self._end(req, InstanceLostError(f"KV transfer of {a.request_id}: instance lost"))
+        req.kv_src = a.src
+        if a.dst == STAGING:
+            self._post(ev.TransferDone(a.request_id, a.src, a.dst, a.nbytes))
+            return
+        dst = self.board.instances.get(a.dst)
+        if dst is None:
+            self._end(req, InstanceLostError(f"KV transfer of {a.request_id} to unknown instance {a.dst}"))
+            self._post(ev.RequestAborted(req.request_id))
+            return
+        self._export(req, a.src, dst, a.num_tokens)
+
+    def _export(self, req: LiveRequest, src_id: int, dst: InstanceHandle, num_tokens: int) -> None:
+        src = self.board.instances.get(src_id)
+        if src is None or dst.ready is None or "lost" in (src.state, dst.state):
+            self._end(req, InstanceLostError(f"KV transfer of {req.request_id}: instance lost"))
+            self._post(ev.RequestAborted(req.request_id))
             return
         tid = req.transfer = next(self._transfer_ids)
         dst.requests.add(req.request_id)  # an abort now also frees what it has imported
-        self._send(src, m.ExportKV(a.request_id, a.num_tokens, dst.ready.kv_address, tid))
+        self._send(src, m.ExportKV(req.request_id, num_tokens, dst.ready.kv_address, tid))
         self._loop.call_later(self.opts.kv_transfer_timeout_s, self._transfer_deadline, req, tid)
+
+    def kv_arrived(self, req: LiveRequest, dst: InstanceHandle, src: int, nbytes: int) -> None:
+        """The destination holds the request's KV: go on with the decode dispatch, or tell the controller."""
+        req.transfer, req.kv_dst = None, dst.instance_id
+        holder = self.board.instances.get(src)
+        if holder is not None:
+            holder.requests.discard(req.request_id)
+        self.counters["kv_bytes_moved"] += nbytes
+        if req.pending is not None:
+            a, req.pending = req.pending, None
+            self._send_add(req, dst, a)
+        else:
+            self._post(ev.TransferDone(req.request_id, src, dst.instance_id, nbytes))
 
     def _transfer_deadline(self, req: LiveRequest, tid: int) -> None:
         if not req.done and req.transfer == tid:
@@ -423,42 +474,45 @@ class ClusterEngine:
         self._check_ready()
 
     def _check_ready(self) -> None:
+        """Once every launched instance joined (or was lost): build the controller, replay what waited."""
         if self.ready.is_set() or any(self.board[i].state == "starting" for i in self.planned):
             return
+        joined = [h for h in self.board.instances.values() if h.ready is not None]
+        if not joined:
+            self.dead_error = RuntimeError("no instance joined the cluster")
+            self._fail_all(EngineDeadError("no instance joined the cluster"))
+            self.ready.set()
+            return
+        self.controller = self.controller_factory(profile_step_time(joined[0].ready.profile), self.board.status_of)
         self.ready.set()
+        self._act(self.controller.start())
         early, self._early = self._early, []
         for event in early:
-            if event.request_id in self.requests:
+            if not isinstance(event, ev.RequestArrived) or event.request_id in self.requests:
                 self._post(event)
+        for h in self.board.instances.values():
+            if h.state == "lost" and h.ready is not None:
+                self._post(ev.InstanceLost(h.instance_id))
 
     def _lose(self, h: InstanceHandle, reason: str) -> None:
-        """Declare an instance lost: re-route its requests that streamed nothing, fail the others."""
+        """Declare an instance lost: its streaming requests end with an error; the controller re-routes the rest."""
         logger.error("instance %d lost: %s", h.instance_id, reason)
-        was_starting = h.state == "starting"
         h.state, h.lost_reason = "lost", reason
         self.counters["instance_deaths"] += 1
         if self.launcher is not None:
             self.launcher.kill(h.instance_id)
-        if not was_starting or h.identity is not None:
-            self._post(ev.InstanceLost(h.instance_id))
         for rid in list(h.requests):
-            req = self.requests.get(rid)
             h.requests.discard(rid)
-            if req is None or req.instance != h.instance_id and req.transfer is None:
+            req = self.requests.get(rid)
+            if req is None:
                 continue
-            self._fail_or_reroute(req, reason)
-
-    def _fail_or_reroute(self, req: LiveRequest, reason: str = "instance lost") -> None:
-        if req.streamed or req.reroutes >= self.opts.max_reroutes:
-            self._end(req, InstanceLostError(f"the instance serving this request was lost ({reason})"))
-            self._post(ev.RequestAborted(req.request_id))
-            return
-        req.reroutes += 1
-        self.counters["reroutes"] += 1
-        req.instance, req.transfer, req.continues = None, None, False
-        self.board.forget(req.request_id)
-        logger.info("re-routing %s (attempt %d)", req.request_id, req.reroutes)
-        self._arrive(req)
+            if req.streamed or req.transfer is not None:
+                self._end(req, InstanceLostError(f"the instance serving this request was lost ({reason})"))
+                self._post(ev.RequestAborted(rid))
+            else:
+                req.lost_from = h.instance_id  # the controller's re-route will count
+        if h.ready is not None:
+            self._post(ev.InstanceLost(h.instance_id))
 
     def _fail_all(self, error: BaseException) -> None:
         for req in list(self.requests.values()):

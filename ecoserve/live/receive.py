@@ -111,14 +111,9 @@ def _paused(fe: "ClusterEngine", h: InstanceHandle, msg: m.Paused, now: float) -
 def _imported(fe: "ClusterEngine", h: InstanceHandle, msg: m.ImportedKV, now: float) -> None:
     req = fe.requests.get(msg.request_id)
     if req is None or req.transfer != msg.transfer_id:
-        fe._send(h, m.Abort([msg.request_id]))
+        fe._send(h, m.Abort([msg.request_id]))  # nobody will claim it
         return
-    req.transfer = None
-    src = fe.board.instances.get(req.instance)
-    if src is not None:
-        src.requests.discard(req.request_id)
-    fe.counters["kv_bytes_moved"] += msg.nbytes
-    fe._post(ev.TransferDone(msg.request_id, msg.src, h.instance_id, msg.nbytes))
+    fe.kv_arrived(req, h, msg.src, msg.nbytes)
 
 
 def _failed(fe: "ClusterEngine", h: InstanceHandle, msg: m.RequestFailed, now: float) -> None:

@@ -39,7 +39,11 @@ class LiveRequest:
     instance: int | None = None
     continues: bool = False  # dispatched with a lower token limit: a stop at that limit is not the end
     transfer: int | None = None  # the KV transfer in flight (FuDG)
+    kv_src: int | None = None  # the prefill instance that holds its KV pinned
+    kv_dst: int | None = None  # the instance its KV was imported into
+    pending: object | None = None  # a decode Dispatch waiting for its KV to arrive
     reroutes: int = 0
+    lost_from: int | None = None  # its instance was lost before it streamed anything (a re-route is due)
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
