@@ -91,6 +91,15 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request; reject what could never run, leaving everything else untouched."""
+        self.check_request(req)
+        if req.max_model_len is None:
+            req.max_model_len = self.max_model_len
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = next(self._counter)
+        self.waiting.append(req)
+
+    def check_request(self, req: Request) -> None:
+        """Raise ValueError if `add_request(req)` would refuse it; changes nothing."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.num_prompt_tokens == 0:
@@ -98,15 +107,10 @@ class Scheduler:
         if self.max_model_len is not None and req.num_prompt_tokens > self.max_model_len:
             raise ValueError(f"the prompt has {req.num_prompt_tokens} tokens, more than max_model_len "
                              f"({self.max_model_len})")
-        if req.max_model_len is None:
-            req.max_model_len = self.max_model_len
         capacity = self.kv.num_blocks * self.kv.block_size
         if req.num_prompt_tokens + 1 > capacity:
             raise ValueError(f"the prompt has {req.num_prompt_tokens} tokens but the KV cache holds only "
                              f"{capacity} tokens in all")
-        self.requests[req.request_id] = req
-        self._order[req.request_id] = next(self._counter)
-        self.waiting.append(req)
 
     def abort_requests(self, request_ids) -> list[Request]:
         aborted = []
@@ -220,12 +224,18 @@ class Scheduler:
             phase = "prefill" if step.has_prefill else "decode"
             if phase != self.phase:
                 self.phase, self.last_phase_switch = phase, self.clock.now()
-        finished, self._finished_since_step = tuple(self._finished_since_step), []
+        # Finished ids ride only on a batch that will run (drivers skip empty ones), else on take_finished_ids().
+        finished = self.take_finished_ids() if chunks else ()
         return SchedulerOutput(
             chunks=chunks,
             block_tables=self.kv.block_tables(step.chunks),
             finished_ids=finished,
         )
+
+    def take_finished_ids(self) -> tuple[str, ...]:
+        """The ids of requests that left since they were last handed out (each id is handed out once)."""
+        finished, self._finished_since_step = tuple(self._finished_since_step), []
+        return finished
 
     def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
         """Account a finished step: advance computed tokens, append sampled tokens, finish requests."""
