@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -19,40 +18,12 @@ from ecoserve.sched.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Sent:
-    """How much of one sample's cumulative output has gone out already."""
-
-    tokens: int = 0
-    chars: int = 0
-
-
-@dataclass
-class DeltaTracker:
-    """Cumulative RequestOutputs -> deltas (the engine reports whole outputs so far)."""
-
-    sent: dict[tuple[str, int], _Sent] = field(default_factory=dict)
-
-    def deltas(self, out: RequestOutput) -> list[Delta]:
-        result = []
-        for c in out.outputs:
-            key = (out.request_id, c.index)
-            first = key not in self.sent
-            s = self.sent.setdefault(key, _Sent())
-            if len(c.token_ids) == s.tokens and c.finish_reason is None and len(c.text) == s.chars:
-                continue
-            result.append(Delta(
-                out.request_id, c.index, list(c.token_ids[s.tokens:]), c.text[s.chars:], c.finish_reason,
-                c.stop_reason, list(c.logprobs[s.tokens:]) if c.logprobs is not None else None,
-                c.cumulative_logprob, out.prompt_logprobs if first else None, out.num_cached_tokens))
-            s.tokens, s.chars = len(c.token_ids), len(c.text)
-            if c.finish_reason is not None:
-                del self.sent[key]
-        return result
-
-    def forget(self, request_id: str) -> None:
-        for key in [k for k in self.sent if k[0] == request_id]:
-            del self.sent[key]
+def deltas_of(out: RequestOutput, with_prompt_logprobs: bool) -> list[Delta]:
+    """The engine's delta output of one step as messages (samples without news are left out)."""
+    return [Delta(out.request_id, c.index, list(c.new_token_ids), c.new_text, c.finish_reason, c.stop_reason,
+                  c.new_logprobs, c.cumulative_logprob, out.prompt_logprobs if with_prompt_logprobs else None,
+                  out.num_cached_tokens)
+            for c in out.outputs if c.new_token_ids or c.new_text or c.finish_reason is not None]
 
 
 def _import(sched: Scheduler, msg: AddRequest) -> None:
@@ -73,7 +44,7 @@ class RealEngine:
     def __init__(self, engine) -> None:  # ecoserve.engine.llm_engine.LLMEngine
         self.engine = engine
         self.scheduler: Scheduler = engine.scheduler
-        self.tracker = DeltaTracker()
+        self._prompt_logprobs_sent: set[str] = set()
         cache = engine.executor.kv_cache
         self.kv_cache = cache
         self.block_size = cache.block_size
@@ -96,16 +67,26 @@ class RealEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort_request(request_ids)
-        for rid in request_ids:
-            self.tracker.forget(rid)
+        self._prompt_logprobs_sent.difference_update(request_ids)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    @property
+    def stuck(self) -> bool:
+        """The last step could schedule nothing (e.g. prompts waiting for a window): only a command helps."""
+        return self.engine.last_step_empty
+
     def step(self) -> list[Delta]:
         deltas = []
+        sent = self._prompt_logprobs_sent
         for out in self.engine.step():
-            deltas.extend(self.tracker.deltas(out))
+            first = out.prompt_logprobs is not None and out.request_id not in sent
+            if first:
+                sent.add(out.request_id)
+            if out.finished:
+                sent.discard(out.request_id)
+            deltas.extend(deltas_of(out, first))
         return deltas
 
     def profile(self, token_counts: tuple[int, ...]) -> list[tuple[int, float]]:
@@ -162,6 +143,7 @@ class MockEngine:
         self.block_size, self.kv_bytes_per_token = block_size, 0
         self.model_name, self.max_model_len = model_name, max_model_len
         self._requests: dict[str, Request] = {}
+        self.stuck = False
 
     def add(self, msg: AddRequest) -> None:
         if msg.request_id in self._requests:
@@ -188,6 +170,7 @@ class MockEngine:
 
     def step(self) -> list[Delta]:
         out = self.scheduler.schedule()
+        self.stuck = out.is_empty
         if out.is_empty:
             return []
         result = self.executor.execute(out)

@@ -301,7 +301,7 @@ class ClusterEngine:
         ids = req.prompt_token_ids
         params = req.params.clone(max_tokens=limit)
         if a.imported_tokens:  # the decode leg: the prompt and the tokens produced so far, their KV imported
-            ids = ids + req.samples[0].token_ids
+            ids = ids + req.output_token_ids()
             params = params.clone(min_tokens=max(req.params.min_tokens - req.num_output_tokens, 0),
                                   prompt_logprobs=None)
         req.instance = h.instance_id

@@ -109,7 +109,7 @@ class InstanceLoop:
         status_dirty = True
         while True:
             busy = self.engine.has_work()
-            ready = dict(poller.poll(0 if busy else 20))
+            ready = dict(poller.poll(20 if not busy else 2 if self.engine.stuck else 0))
             if self.sock in ready:
                 status_dirty |= self._drain_commands()
                 last_heard = time.monotonic()

@@ -9,15 +9,18 @@ import asyncio
 from dataclasses import dataclass, field
 
 from ecoserve.live.messages import Delta
-from ecoserve.request import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from ecoserve.request import CompletionOutput, Logprobs, OutputHistory, RequestMetrics, RequestOutput
 from ecoserve.sampling import SamplingParams
 
 
 @dataclass
 class Sample:
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[Logprobs] | None = None
+    """One sample's history (what the client has been given) and the news not yet handed out."""
+
+    history: OutputHistory = field(default_factory=OutputHistory)
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[Logprobs] | None = None
     cumulative_logprob: float | None = None
     base_logprob: float = 0.0  # what earlier instances contributed (FuDG: the prefill's first token)
     finish_reason: str | None = None
@@ -56,7 +59,12 @@ class LiveRequest:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.samples[0].token_ids)
+        s = self.samples[0]
+        return len(s.history.token_ids) + len(s.new_token_ids)
+
+    def output_token_ids(self) -> list[int]:
+        s = self.samples[0]
+        return s.history.token_ids + s.new_token_ids
 
     @property
     def streamed(self) -> bool:
@@ -77,10 +85,10 @@ class LiveRequest:
             if self.first_token is None:
                 self.first_token = now
             self.last_token = now
-        s.token_ids.extend(d.token_ids)
-        s.text += d.text
+        s.new_token_ids.extend(d.token_ids)
+        s.new_text += d.text
         if d.logprobs is not None:
-            s.logprobs = (s.logprobs or []) + list(d.logprobs)
+            s.new_logprobs = (s.new_logprobs or []) + list(d.logprobs)
         if d.cumulative_logprob is not None:
             s.cumulative_logprob = s.base_logprob + d.cumulative_logprob
         if d.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -100,10 +108,17 @@ class LiveRequest:
         return all(s.finish_reason is not None for s in self.samples)
 
     def output(self) -> RequestOutput:
-        """The request's output so far (cumulative: each one holds everything up to now)."""
-        outs = [CompletionOutput(i, s.text, list(s.token_ids), s.cumulative_logprob,
-                                 list(s.logprobs) if s.logprobs is not None else None, s.finish_reason, s.stop_reason)
-                for i, s in enumerate(self.samples)]
+        """The news since the previous output, as the engine's delta outputs carry it (histories shared)."""
+        outs = []
+        for i, s in enumerate(self.samples):
+            wants_logprobs = self.params.logprobs is not None
+            new_logprobs = s.new_logprobs if s.new_logprobs is not None else ([] if wants_logprobs else None)
+            if wants_logprobs and s.history.logprobs is None:
+                s.history.logprobs = []
+            s.history.extend(s.new_token_ids, s.new_text, new_logprobs)
+            outs.append(CompletionOutput(i, s.new_text, s.new_token_ids, s.cumulative_logprob, new_logprobs,
+                                         s.finish_reason, s.stop_reason, s.history))
+            s.new_token_ids, s.new_text, s.new_logprobs = [], "", None
         metrics = RequestMetrics(self.arrival, self.first_scheduled, self.first_token, self.last_token, self.finished)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, outs,
                              self.all_finished, metrics, self.num_cached_tokens)
