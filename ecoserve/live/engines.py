@@ -121,7 +121,8 @@ class RealEngine:
 class MockEngine:
     """The scheduler of a real instance over a simulated executor: sleeps the predicted step time.
 
-    Emits `token_id` as every output token (text ""); stops only at the token limit. Lets tests and
+    Emits `token_id` as every output token, with the placeholder text `text` each; stops only at the
+    token limit. Lets tests and
     benchmarks run many instances on few cores with the real protocol and the real scheduler.
     """
 
@@ -129,7 +130,7 @@ class MockEngine:
 
     def __init__(self, profile_csv: str, model_name: str, policy: str, num_blocks: int = 4096,
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
-                 max_model_len: int = 4096, token_id: int = 0) -> None:
+                 max_model_len: int = 4096, token_id: int = 0, text: str = "x ") -> None:
         from ecoserve.clock import WallClock
         from ecoserve.config import CacheConfig, SchedulerConfig
         from ecoserve.sim.instance import SimulatedExecutor
@@ -143,6 +144,7 @@ class MockEngine:
         self.block_size, self.kv_bytes_per_token = block_size, 0
         self.model_name, self.max_model_len = model_name, max_model_len
         self._requests: dict[str, Request] = {}
+        self.text = text
         self.stuck = False
 
     def add(self, msg: AddRequest) -> None:
@@ -181,7 +183,7 @@ class MockEngine:
             req = c.request
             if c.samples and req.request_id in self._requests and req.request_id in result.sampled:
                 reason = req.status.value if req.finished else None
-                deltas.append(Delta(req.request_id, 0, [result.sampled[req.request_id]], "", reason))
+                deltas.append(Delta(req.request_id, 0, [result.sampled[req.request_id]], self.text, reason))
                 if req.finished:
                     del self._requests[req.request_id]
         return deltas

@@ -92,3 +92,14 @@ def single_engine_greedy(model: str, prompts: list[str], max_tokens: int, policy
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def write_profile(path, rows: list[tuple[int, float]]) -> str:
+    """A `tokens,ms` CSV for `--mock-profile`."""
+    path.write_text("tokens,ms\n" + "".join(f"{n},{ms}\n" for n, ms in rows))
+    return str(path)
+
+
+def mock_args(model: str, profile: str, policy: str = "prefill_first", *extra: str) -> list[str]:
+    return ["--model", model, "--mock-profile", profile, "--scheduling-policy", policy, "--num-gpu-blocks", "1024",
+            "--max-model-len", str(MAX_MODEL_LEN), "--heartbeat-interval", "0.2", *extra]
