@@ -18,6 +18,7 @@ from ecoserve.kv.manager import KVCacheManager
 from ecoserve.request import Request, RequestStatus
 from ecoserve.sched.interface import ScheduledChunk, SchedulerOutput, StepResult
 from ecoserve.sched.status import RequestProgress, SchedulerStatus
+from ecoserve.sched.window import PrefillWindow
 
 logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
@@ -85,8 +86,23 @@ class Scheduler:
         self._counter = itertools.count()
         self._finished_since_step: list[str] = []
         self.num_preemptions_total = 0
-        self.phase = "idle"  # of the last non-empty step: "prefill" if it computed any prompt chunk, else "decode"
-        self.last_phase_switch = clock.now()
+        self._last_step_phase = "idle"  # "prefill" if the last non-empty step computed a prompt chunk, else "decode"
+        self.last_phase_switch = self.created_at = clock.now()
+        self.window = PrefillWindow()  # commanded by the macro-instance scheduler (temporal policy)
+
+    # ---- phase and window (the one definition; see sched/window.py) ------------------------
+    @property
+    def phase(self) -> str:
+        """"idle" with nothing to run, else the kind of the last step: "prefill" or "decode"."""
+        return self._last_step_phase if self.waiting or self.running else "idle"
+
+    def open_window(self) -> bool:
+        """The macro scheduler admits prompts to this instance from now on; False if already open."""
+        return self.window.open(self.clock.now(), {r.request_id: r.num_output_tokens for r in self.running})
+
+    def close_window(self) -> bool:
+        """No new prompts from now on; the ones already queued still run. False if already closed."""
+        return self.window.close(self.clock.now(), (r.request_id for r in self.waiting))
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -222,8 +238,8 @@ class Scheduler:
         chunks = tuple(step.chunks.values())
         if chunks:
             phase = "prefill" if step.has_prefill else "decode"
-            if phase != self.phase:
-                self.phase, self.last_phase_switch = phase, self.clock.now()
+            if phase != self._last_step_phase:
+                self._last_step_phase, self.last_phase_switch = phase, self.clock.now()
         # Finished ids ride only on a batch that will run (drivers skip empty ones), else on take_finished_ids().
         finished = self.take_finished_ids() if chunks else ()
         return SchedulerOutput(

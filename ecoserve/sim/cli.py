@@ -10,7 +10,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from ecoserve.sim.experiments import EXPERIMENTS
     from ecoserve.sim.hardware import GPUS, LINKS
     from ecoserve.sim.models import MODELS
-    from ecoserve.sim.strategies import STRATEGIES
+    from ecoserve.sim.cluster import STRATEGIES
     from ecoserve.sim.workload import ARRIVALS, DATASETS
 
     p = subparsers.add_parser("simulate", help="simulate a GPU cluster serving with the live scheduling code")
@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     from ecoserve.sim.cluster import ClusterSpec
     from ecoserve.sim.experiments import EXPERIMENTS
     from ecoserve.sim.metrics import summarize
-    from ecoserve.sim.strategies import build
+    from ecoserve.sim.cluster import build
     from ecoserve.sim.workload import DATASETS, load_trace, synthetic
 
     out = Path(args.out)

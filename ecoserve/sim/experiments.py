@@ -14,8 +14,8 @@ from pathlib import Path
 from ecoserve.sim.cluster import ClusterSpec
 from ecoserve.sim.metrics import TARGETS, attainment, goodput, summarize
 from ecoserve.sim.models import model as get_model
-from ecoserve.sim.registry import Registry
-from ecoserve.sim.strategies import build
+from ecoserve.registry import Registry
+from ecoserve.sim.cluster import build
 from ecoserve.sim.workload import DATASETS, rate_schedule, synthetic
 
 EXPERIMENTS: Registry = Registry("experiment")
