@@ -28,8 +28,6 @@ from ecoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-STAGING = getattr(ev, "STAGING", -1)  # a TransferKV destination: the decode side's staging buffer
-
 # (prefill step time of n tokens, the board's status reader) -> a ClusterController
 ControllerFactory = Callable[[Callable[[int], float], Callable[[int], Any]], Any]
 
@@ -91,7 +89,6 @@ class ClusterEngine:
         self._accepting = True
         self.dead_error: BaseException | None = None
         self._pid_to_id: dict[int, int] = {}
-        self.free_at_launch: set[int] = set()  # the mitosis pool: joined instances that start as "free"
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -314,7 +311,7 @@ class ClusterEngine:
         if req is None:
             return
         req.kv_src = a.src
-        if a.dst == STAGING:
+        if a.dst == ev.STAGING:
             self._post(ev.TransferDone(a.request_id, a.src, a.dst, a.nbytes))
             return
         dst = self.board.instances.get(a.dst)
@@ -406,11 +403,19 @@ class ClusterEngine:
         delay = max(a.time - time.monotonic(), 0.0)
         self._loop.call_later(delay, self._post, ev.TimerFired(a.name))
 
-    def set_roles(self, roles: dict[int, str | int | None], free: list[int] = ()) -> None:
-        """How /cluster names each instance's role (the controller's topology at launch)."""
-        for iid, role in roles.items():
-            self.board[iid].role = role
-        self.free_at_launch = set(free)
+    def _roles(self) -> None:
+        """/cluster's roles at launch: FuDG's prefill / decode, PaDG's macro ids; outside any macro: free."""
+        macros = getattr(self.controller, "macros", None)
+        for iid, setup in getattr(self.controller, "setups", {}).items():
+            h = self.board.instances.get(iid)
+            if h is None:
+                continue
+            if setup.role in ("prefill", "decode"):
+                h.role = setup.role
+            elif macros is not None:
+                h.role = next((mid for mid, mac in macros.items() if iid in mac.instances), None)
+                if h.role is None and h.state == "ready":
+                    h.state = "free"
 
     # ---- instances -------------------------------------------------------------------------
     def _send(self, h: InstanceHandle, msg: m.Msg) -> None:
@@ -484,6 +489,7 @@ class ClusterEngine:
             self.ready.set()
             return
         self.controller = self.controller_factory(profile_step_time(joined[0].ready.profile), self.board.status_of)
+        self._roles()
         self.ready.set()
         self._act(self.controller.start())
         early, self._early = self._early, []

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from ecoserve.cluster.status import InstanceStatus, RequestState
+from ecoserve.cluster.status import instance_status
 from ecoserve.live import messages as m
 from ecoserve.live.kv import KVHeader, ZmqKVConnector
 
@@ -33,22 +33,6 @@ class InstanceOptions:
     kv_send_timeout_s: float = 5.0
 
 
-def scheduler_status(instance_id: int, sched, routed_time: dict[str, float]) -> InstanceStatus:
-    """The instance's `InstanceStatus` from its scheduler (times on this process's clock)."""
-    reqs, queued = [], 0
-    now = sched.clock.now()
-    for r in sched.running:
-        reqs.append(RequestState(r.request_id, routed_time.get(r.request_id, now), r.num_prompt_tokens,
-                                 r.times.first_token, r.num_output_tokens))
-    for r in sched.waiting:
-        reqs.append(RequestState(r.request_id, routed_time.get(r.request_id, now), r.num_prompt_tokens,
-                                 r.times.first_token, r.num_output_tokens))
-        queued += r.num_tokens + 1
-    bs = sched.kv.block_size
-    return InstanceStatus(instance_id, now, sched.phase, sched.last_phase_switch, tuple(reqs),
-                          sched.kv.num_free_blocks * bs - queued, sched.kv.num_blocks * bs)
-
-
 class InstanceLoop:
     def __init__(self, engine, options: InstanceOptions, profile: list[tuple[int, float]]) -> None:
         self.engine, self.opts, self.profile = engine, options, profile
@@ -57,7 +41,6 @@ class InstanceLoop:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.kv = ZmqKVConnector(self.ctx, options.host)
-        self._routed: dict[str, float] = {}
         self._pinned: dict[str, int] = {}  # request id -> tokens so far (for the KV it will hold)
         self._last_dispatch = 0
         self._status_seq = 0
@@ -136,7 +119,7 @@ class InstanceLoop:
 
     def _send_status(self) -> None:
         self._status_seq += 1
-        st = scheduler_status(self.instance_id, self.engine.scheduler, self._routed)
+        st = instance_status(self.instance_id, self.engine.scheduler)
         self.send(m.Status(self._status_seq, self._last_dispatch, st))
 
     def _drain_commands(self) -> bool:
@@ -165,14 +148,12 @@ class InstanceLoop:
                 logger.warning("refused request %s: %s", msg.request_id, e)
                 self.send(m.RequestFailed(msg.request_id, str(e)))
                 return
-            self._routed[msg.request_id] = time.monotonic()
             if msg.pin_kv:
                 self._pinned[msg.request_id] = len(msg.prompt_token_ids)
         elif isinstance(msg, m.Abort):
             self.engine.abort(msg.request_ids)
             for rid in msg.request_ids:
                 sched.kv.release(rid)  # an export or import that will not be claimed
-                self._routed.pop(rid, None)
                 self._pinned.pop(rid, None)
         elif isinstance(msg, m.SetWindow):
             sched.open_window() if msg.open else sched.close_window()
@@ -186,13 +167,10 @@ class InstanceLoop:
     def _check_paused(self, deltas: list[m.Delta]) -> None:
         for d in deltas:
             if d.request_id not in self._pinned:
-                if d.finish_reason is not None:
-                    self._routed.pop(d.request_id, None)
                 continue
             self._pinned[d.request_id] += len(d.token_ids)
             if d.finish_reason is None:
                 continue
-            self._routed.pop(d.request_id, None)
             tokens = self._pinned.pop(d.request_id) - 1  # the last sampled token has no KV yet
             if self.engine.scheduler.kv.held_block_ids(d.request_id) is not None:
                 self.send(m.Paused(d.request_id, tokens))

@@ -59,7 +59,7 @@ def _ready(fe: "ClusterEngine", identity: bytes, msg: m.Ready, now: float) -> No
         _refuse(fe, identity, f"instance {iid} is {h.state}")
         return
     h.identity, h.ready, h.pid, h.host, h.last_heard = identity, msg, msg.pid, msg.host, now
-    h.state = "free" if iid in fe.free_at_launch else "ready"
+    h.state = "ready"
     fe._send(h, m.Welcome(iid))
     logger.info("instance %d joined: pid %d on %s, %d KV tokens%s", iid, msg.pid, msg.host, msg.total_kv_tokens,
                 " (mock)" if msg.mock else "")
@@ -95,7 +95,8 @@ def _outputs(fe: "ClusterEngine", h: InstanceHandle, msg: m.Outputs, now: float)
             req.done = True
             fe._deliver(req)
             fe._end(req)
-            fe._post(ev.RequestFinished(req.request_id, h.instance_id))
+            ttft = req.first_token - req.arrival if req.first_token is not None else None
+            fe._post(ev.RequestFinished(req.request_id, h.instance_id, ttft))
         else:
             fe._deliver(req)
 

@@ -44,11 +44,18 @@ def run_server(args: argparse.Namespace) -> int:
     from ecoserve.engine.llm_engine import LLMEngine
     from ecoserve.server.app import create_app
 
-    kwargs = engine_kwargs(args)
-    kwargs["max_waiting"] = args.max_waiting_requests
-    engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
-    name = args.served_model_name or engine.engine.model_name
-    app = create_app(engine, name)
+    if args.strategy:  # a frontend over instance processes (ecoserve.live)
+        from ecoserve.live.routes import create_cluster_app
+        from ecoserve.live.serve import make_cluster_engine
+        engine = make_cluster_engine(args)
+        name = args.served_model_name or engine.engine.model_name
+        app = create_cluster_app(engine, name)
+    else:
+        kwargs = engine_kwargs(args)
+        kwargs["max_waiting"] = args.max_waiting_requests
+        engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
+        name = args.served_model_name or engine.engine.model_name
+        app = create_app(engine, name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
@@ -70,5 +77,7 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they get an error")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    from ecoserve.live.serve import add_cluster_args
+    add_cluster_args(p)
     p.set_defaults(func=run_server)
     return p

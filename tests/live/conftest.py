@@ -43,17 +43,40 @@ def instance_args(model: str, policy: str = "prefill_first", *extra: str) -> lis
     return ["--model", model, "--scheduling-policy", policy, *INSTANCE_ARGS, *extra]
 
 
-def start_cluster(model: str, controller_factory, num_instances: int, args_for, options=None,
-                  launcher=None) -> RunningCluster:
-    """A ClusterEngine served by the real app; returns once every instance has joined (/health 200)."""
+def engine_args(model: str) -> list[str]:
+    """What `ecoserve serve` passes every instance (the strategy adds the policy and the budget)."""
+    return ["--model", model, *INSTANCE_ARGS]
+
+
+def start_cluster(model: str, controller_factory, num_instances: int, args_for, options=None) -> RunningCluster:
+    """A ClusterEngine with `controller_factory` over local instance processes, served by the real app."""
     from ecoserve.live.frontend import ClusterEngine, FrontendModel, FrontendOptions
     from ecoserve.live.launchers import LocalLauncher
-    from ecoserve.live.routes import create_cluster_app
     from ecoserve.model.loader import load_model_info
 
-    launcher = launcher or LocalLauncher(args_for, env={"OMP_NUM_THREADS": "1"})
-    engine = ClusterEngine(FrontendModel(load_model_info(model), MAX_MODEL_LEN), controller_factory,
-                           list(range(num_instances)), launcher, options or FrontendOptions())
+    launcher = LocalLauncher(args_for, env={"OMP_NUM_THREADS": "1"})
+    return serve(ClusterEngine(FrontendModel(load_model_info(model), MAX_MODEL_LEN), controller_factory,
+                               list(range(num_instances)), launcher, options or FrontendOptions()))
+
+
+def start_strategy(model: str, strategy: str, num_instances: int, instance_args: list[str], ttft_slo: float = 2.0,
+                   tpot_slo: float = 0.5, launcher: str = "local", **controller) -> RunningCluster:
+    """The cluster `ecoserve serve --strategy` builds (real controllers), in this process."""
+    from ecoserve.live.frontend import FrontendModel
+    from ecoserve.live.serve import LiveCluster, build_cluster
+    from ecoserve.model.loader import load_model_info
+
+    free = controller.pop("num_free_instances", 0)
+    spec = LiveCluster(strategy, num_instances, free, controller, tuple(instance_args), launcher)
+    engine = build_cluster(FrontendModel(load_model_info(model), MAX_MODEL_LEN), spec,
+                           spec.options(ttft_slo, tpot_slo, 512))
+    return serve(engine)
+
+
+def serve(engine) -> RunningCluster:
+    """The cluster app over `engine` on uvicorn in a thread; returns once every instance has joined."""
+    from ecoserve.live.routes import create_cluster_app
+
     app = create_cluster_app(engine, "tiny")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -62,7 +85,7 @@ def start_cluster(model: str, controller_factory, num_instances: int, args_for, 
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 240
     while True:
         assert time.monotonic() < deadline and thread.is_alive(), "the cluster did not become healthy"
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ecoserve.cluster import events as ev
 from ecoserve.cluster.baselines import FuDGRouter, NoDGRouter
 
-STAGING = getattr(ev, "STAGING", -1)
+STAGING = ev.STAGING
 
 
 class FakeNoDG:
