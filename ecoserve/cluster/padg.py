@@ -108,7 +108,7 @@ class PaDGController(ControllerBase):
                                                  * self.router_config.ttft_slo)]
         if e.name == "mitosis":
             return self._mitosis(now) + [SetTimer("mitosis", now + self.mitosis_period)]
-        if e.name.startswith("release/"):
+        if e.name.startswith(("release/", "close/")):
             mac = self.macros.get(int(e.name.split("/")[1]))
             return mac.on_timer(e.name) if mac is not None else []
         raise ValueError(f"unknown timer {e.name!r}")

@@ -9,7 +9,8 @@ window (`OpenWindow`; the window start is Algorithm 1's `t_switch`) and closes t
   router (FIFO, the head blocks). At instance I, for a request r:
   (1) TTFT: max(time the window has been open, time r waited in the router) + the predicted
       batched prefill of I's unprefilled prompts and r  <=  S_TTFT. The window's first request
-      has waited since the window opened, so no window outlasts S_TTFT. A request that is late
+      has waited since the window opened, so no window outlasts S_TTFT (a timer closes it
+      then, and the cursor moves on to the next instance). A request that is late
       already (its wait alone breaks the SLO) drops its own waiting term, and an instance with
       no window open and nothing queued passes (1) for any prompt, so nothing waits forever.
   (2) TPOT: the mean lifetime slack tokens x S_TPOT - (now - first token) of I's decoding
@@ -111,9 +112,11 @@ class MacroInstance:
         self.window_routed[iid] = []
         self._num_opened += 1
         acts.append(OpenWindow(iid))
+        if self.config.mode == "paper":  # check (1) admits nothing after S_TTFT: close it on time
+            acts.append(SetTimer(self.window_timer("close", iid), now + self.config.ttft_slo))
         if self.config.holds_output:
             self._held = iid
-            acts += [HoldOutput(iid), SetTimer(self.hold_timer(iid), now + self.config.ttft_slo)]
+            acts += [HoldOutput(iid), SetTimer(self.window_timer("release", iid), now + self.config.ttft_slo)]
         return acts
 
     def _close_active(self) -> list[Action]:
@@ -126,14 +129,19 @@ class MacroInstance:
         self.active = None
         return acts
 
-    def hold_timer(self, iid: int) -> str:
-        return f"release/{self.macro_id}/{iid}/{self._num_opened}"
+    def window_timer(self, kind: str, iid: int) -> str:
+        """A timer name for the current window: "release" (output hold) or "close" (paper mode)."""
+        return f"{kind}/{self.macro_id}/{iid}/{self._num_opened}"
 
     def on_timer(self, name: str) -> list[Action]:
-        """S_TTFT since the window opened: stop holding its output (the window itself stays open)."""
-        if self._held is not None and name == self.hold_timer(self._held):
+        """S_TTFT since the window opened: stop holding its output; in paper mode, close it and move on."""
+        if self._held is not None and name == self.window_timer("release", self._held):
             iid, self._held = self._held, None
             return [ReleaseOutput(iid)]
+        if self.active is not None and name == self.window_timer("close", self.active):
+            if self.active in self.instances and self.instances:
+                self._last = (self.instances.index(self.active) + 1) % len(self.instances)
+            return self._close_active()
         return []
 
     # ---- membership (mitosis) --------------------------------------------------------------

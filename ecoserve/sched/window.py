@@ -19,6 +19,7 @@ class PrefillWindow:
     closed_at: float | None = None
     num_windows: int = 0  # commanded windows opened so far
     total_open_s: float = 0.0  # summed length of closed commanded windows
+    longest_open_s: float = 0.0
     tokens_at_open: dict[str, int] = field(default_factory=dict)  # request id -> output tokens at the open
     carried: set[str] = field(default_factory=set)  # prompts queued when it closed: they may still run
 
@@ -38,6 +39,7 @@ class PrefillWindow:
         if self.opened_at is not None:
             self.closed_at = now
             self.total_open_s += now - self.opened_at
+            self.longest_open_s = max(self.longest_open_s, now - self.opened_at)
         self.carried = set(queued_ids)
         return True
 
