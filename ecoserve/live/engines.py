@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from ecoserve.live.messages import AddRequest, Delta
 from ecoserve.request import Request, RequestOutput
 from ecoserve.sched.scheduler import Scheduler
@@ -107,10 +105,12 @@ class RealEngine:
 
     # ---- KV blocks as raw buffers -----------------------------------------------------------
     def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        import torch
         idx = torch.tensor(block_ids, dtype=torch.long)
         return [memoryview(t[:, idx].contiguous().numpy()).cast("B") for t in (self.kv_cache.k, self.kv_cache.v)]
 
     def write_blocks(self, block_ids: list[int], buffers: list[bytes | memoryview]) -> None:
+        import torch
         idx = torch.tensor(block_ids, dtype=torch.long)
         for t, buf in zip((self.kv_cache.k, self.kv_cache.v), buffers):
             shape = (t.shape[0], len(block_ids), *t.shape[2:])

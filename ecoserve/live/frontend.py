@@ -387,8 +387,8 @@ class ClusterEngine:
                 h.state, h.role = "free", None
             elif a.kind == "add":
                 h.state, h.role = "ready", a.macro
-            elif a.kind == "split":
-                h.role = a.other
+            elif a.kind == "split":  # the added instance and those moved form the new macro
+                h.state, h.role = "ready", a.other
         if a.kind == "merge":
             for h in self.board.instances.values():
                 if h.role == a.other:
@@ -402,6 +402,16 @@ class ClusterEngine:
     def _timer(self, a: ev.SetTimer) -> None:
         delay = max(a.time - time.monotonic(), 0.0)
         self._loop.call_later(delay, self._post, ev.TimerFired(a.name))
+
+    def scale_by_hand(self, macro: int, delta: int) -> list[dict]:
+        """POST /cluster/scale: a mitosis step on `macro` (ValueError when the controller cannot)."""
+        from ecoserve.cluster.manual import scale_by_hand
+        if self.controller is None:
+            raise ValueError("the cluster is still starting")
+        acts = scale_by_hand(self.controller, macro, delta)
+        self._act(acts)
+        return [{"kind": a.kind, "macro": a.macro, "instances": list(a.instances), "other": a.other}
+                for a in acts if isinstance(a, ev.Scale)]
 
     def _roles(self) -> None:
         """/cluster's roles at launch: FuDG's prefill / decode, PaDG's macro ids; outside any macro: free."""

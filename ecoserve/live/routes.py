@@ -84,6 +84,9 @@ def create_cluster_app(engine, served_model_name: str | None = None) -> FastAPI:
         if not isinstance(macro, int) or isinstance(macro, bool) or delta not in (1, -1):
             raise bad_request(f"macro must be an integer and delta +1 or -1, got {macro!r} and {delta!r}",
                               param="delta")
-        return {"actions": engine.scale_by_hand(macro, delta)}
+        try:
+            return {"actions": engine.scale_by_hand(macro, delta)}
+        except ValueError as e:
+            raise bad_request(str(e), param="macro") from None
 
     return app

@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ecoserve.clock import WallClock
 from ecoserve.cluster.strategies import CONTROLLERS, ControllerOptions, build_controller
-from ecoserve.live.frontend import ClusterEngine, FrontendModel, FrontendOptions
+
+if TYPE_CHECKING:  # the frontend imports the engine (torch); `ecoserve instance` must not need it
+    from ecoserve.live.frontend import ClusterEngine, FrontendModel, FrontendOptions
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,9 @@ class LiveCluster:
 
 
 def build_cluster(model: FrontendModel, spec: LiveCluster, options: ControllerOptions,
-                  frontend: FrontendOptions = FrontendOptions(), num_threads: int | None = 1) -> ClusterEngine:
+                  frontend: FrontendOptions | None = None, num_threads: int | None = 1) -> ClusterEngine:
     """The ClusterEngine for `spec`: instances to launch with their setups, and the controller factory."""
+    from ecoserve.live.frontend import ClusterEngine, FrontendOptions
     clock = WallClock()
     setups = build_controller(spec.strategy, options, clock, lambda n: 1e-3).setups  # what to launch
 
@@ -63,7 +67,7 @@ def build_cluster(model: FrontendModel, spec: LiveCluster, options: ControllerOp
         launcher = LocalLauncher(args_for, env, spec.instance_log_dir)
     else:
         raise ValueError(f"--launcher must be 'local' or 'ray', got {spec.launcher!r}")
-    return ClusterEngine(model, factory, sorted(setups), launcher, frontend)
+    return ClusterEngine(model, factory, sorted(setups), launcher, frontend or FrontendOptions())
 
 
 def _pd(text: str) -> tuple[int, int]:
@@ -144,6 +148,7 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
 
 
 def make_cluster_engine(args: argparse.Namespace) -> ClusterEngine:
+    from ecoserve.live.frontend import FrontendModel, FrontendOptions
     from ecoserve.model.loader import load_model_info
 
     spec, options = cluster_from_args(args, engine_cli_args(args))

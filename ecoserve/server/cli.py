@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 
-from ecoserve.engine.async_engine import AsyncEngine
+if TYPE_CHECKING:  # importing the engine pulls in torch: not for `ecoserve instance --mock-profile`
+    from ecoserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def curl_example(host: str, port: int, model: str) -> str:
 
 def run_server(args: argparse.Namespace) -> int:
     from ecoserve.cli import engine_kwargs
+    from ecoserve.engine.async_engine import AsyncEngine
     from ecoserve.engine.llm import engine_config_from_kwargs
     from ecoserve.engine.llm_engine import LLMEngine
     from ecoserve.server.app import create_app
