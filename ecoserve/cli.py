@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         server_cli.add_parser(sub, _add_engine_args)
     except ImportError:
         pass
+    from ecoserve.live import cli as live_cli
+    live_cli.add_parser(sub, _add_engine_args)
     try:
         from ecoserve.sim import cli as sim_cli
         sim_cli.add_parser(sub)

@@ -25,7 +25,7 @@ _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None from load_model_info (no weights)
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     spec: ModelSpec
     eos_token_ids: frozenset[int]
@@ -158,17 +158,10 @@ def _ids(value: Any) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
-def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
-    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded)."""
-    resolve_dtype(dtype)  # reject a bad name before any download or conversion
+def load_model_info(model: str | None, *, revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
+    """Everything but the weights (`model` is None): what a cluster frontend needs to tokenize and validate."""
     path = resolve_model_path(model, revision)
     spec = ModelSpec.from_dir(path)
-    torch_dtype = resolve_dtype(dtype, device, spec.torch_dtype)
-    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
-        logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
-                       "differ from the reference past that length", spec.architecture, spec.sliding_window)
-    net = build_model(spec, path, torch_dtype, device)
     tok = load_tokenizer(tokenizer or path, revision if tokenizer else None)
     generation = _read_json(path / "generation_config.json")
     eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id")) | _ids(tok.eos_token_id)
@@ -178,6 +171,20 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
         name = DEFAULT_MODEL_NAME
     else:
         name = model
-    return LoadedModel(model=net, tokenizer=tok, spec=spec, eos_token_ids=frozenset(eos),
+    return LoadedModel(model=None, tokenizer=tok, spec=spec, eos_token_ids=frozenset(eos),
                        generation_defaults=defaults, max_model_len=spec.max_position_embeddings,
                        name=name, path=path)
+
+
+def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
+    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded)."""
+    resolve_dtype(dtype)  # reject a bad name before any download or conversion
+    info = load_model_info(model, revision=revision, tokenizer=tokenizer)
+    spec = info.spec
+    torch_dtype = resolve_dtype(dtype, device, spec.torch_dtype)
+    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
+        logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
+                       "differ from the reference past that length", spec.architecture, spec.sliding_window)
+    info.model = build_model(spec, info.path, torch_dtype, device)
+    return info

@@ -103,7 +103,7 @@ class Scheduler:
                 pass
         req.status = status
         req.times.finished = self.clock.now()
-        self.kv.free(req)
+        self.kv.free(req, keep=status is RequestStatus.FINISHED_LENGTH)
         del self.requests[req.request_id]
         self._order.pop(req.request_id, None)
         self._finished_since_step.append(req.request_id)
@@ -159,15 +159,16 @@ class Scheduler:
         """Move a waiting request into running with its first chunk, if the seat, budget and KV allow."""
         if step.seq_budget <= 0 or step.token_budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return False
-        computed = self.kv.get_computed_blocks(req)
-        num_cached = len(computed) * self.kv.block_size
+        imported = req.num_computed_tokens  # > 0 only when its KV was imported (blocks adopted, see kv.adopt)
+        computed = [] if imported else self.kv.get_computed_blocks(req)
+        num_cached = imported or len(computed) * self.kv.block_size
         n = min(req.num_tokens - num_cached, step.token_budget, max_tokens or 1 << 62)
         if not self.kv.allocate_slots(req, n, computed):
             return False
         self.waiting.remove(req)
         if req.times.first_scheduled is None:
             req.times.first_scheduled = self.clock.now()
-            req.num_cached_tokens = num_cached
+            req.num_cached_tokens = len(computed) * self.kv.block_size
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
         self.running.append(req)

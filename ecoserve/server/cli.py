@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 
-from ecoserve.engine.async_engine import AsyncEngine
+if TYPE_CHECKING:  # importing the engine pulls in torch: not for `ecoserve instance --mock-profile`
+    from ecoserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +41,23 @@ def curl_example(host: str, port: int, model: str) -> str:
 
 def run_server(args: argparse.Namespace) -> int:
     from ecoserve.cli import engine_kwargs
+    from ecoserve.engine.async_engine import AsyncEngine
     from ecoserve.engine.llm import engine_config_from_kwargs
     from ecoserve.engine.llm_engine import LLMEngine
     from ecoserve.server.app import create_app
 
-    kwargs = engine_kwargs(args)
-    kwargs["max_waiting"] = args.max_waiting_requests
-    engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
-    name = args.served_model_name or engine.engine.model_name
-    app = create_app(engine, name, args.generation_config)
+    if args.strategy:  # a frontend over instance processes (ecoserve.live)
+        from ecoserve.live.routes import create_cluster_app
+        from ecoserve.live.serve import make_cluster_engine
+        engine = make_cluster_engine(args)
+        name = args.served_model_name or engine.engine.model_name
+        app = create_cluster_app(engine, name, args.generation_config)
+    else:
+        kwargs = engine_kwargs(args)
+        kwargs["max_waiting"] = args.max_waiting_requests
+        engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
+        name = args.served_model_name or engine.engine.model_name
+        app = create_app(engine, name, args.generation_config)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
@@ -74,5 +83,7 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they get an error")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    from ecoserve.live.serve import add_cluster_args
+    add_cluster_args(p)
     p.set_defaults(func=run_server)
     return p

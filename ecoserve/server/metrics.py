@@ -49,9 +49,11 @@ class _EngineCollector:
 class ServerMetrics:
     """The /metrics registry, and the engine-thread observer that feeds its per-request histograms."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine | None, model_name: str) -> None:
+        """`engine` None: no engine gauges (a cluster frontend registers its own collector)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        if engine is not None:
+            self.registry.register(_EngineCollector(engine, model_name))
         self.model_name = model_name
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
