@@ -159,8 +159,11 @@ def _ids(value: Any) -> set[int]:
 
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
-    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded)."""
+               revision: str | None = None, tokenizer: str | None = None,
+               skip_tokenizer_init: bool = False) -> LoadedModel:
+    """Load weights, tokenizer (unless skipped: then None) and serving facts.
+
+    `model`: directory, .gguf, hub id, or None (embedded)."""
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
     path = resolve_model_path(model, revision)
     spec = ModelSpec.from_dir(path)
@@ -169,9 +172,11 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
         logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
                        "differ from the reference past that length", spec.architecture, spec.sliding_window)
     net = build_model(spec, path, torch_dtype, device)
-    tok = load_tokenizer(tokenizer or path, revision if tokenizer else None)
+    tok = None if skip_tokenizer_init else load_tokenizer(tokenizer or path, revision if tokenizer else None)
     generation = _read_json(path / "generation_config.json")
-    eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id")) | _ids(tok.eos_token_id)
+    eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id"))
+    if tok is not None:
+        eos |= _ids(tok.eos_token_id)
     defaults = {k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None}
     if model is None:
         from ecoserve.model.default import DEFAULT_MODEL_NAME
