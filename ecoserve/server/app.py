@@ -10,20 +10,28 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import ecoserve
 from ecoserve.engine.async_engine import AsyncEngine
+from ecoserve.server.auth import install_api_key
 from ecoserve.server.chat import create_chat_completion
 from ecoserve.server.completions import create_completion
 from ecoserve.server.errors import APIError, bad_request, install_error_handlers
 from ecoserve.server.metrics import ServerMetrics
 from ecoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ecoserve.server.serving import ServerState
+from ecoserve.server.tool_parsers import get_tool_parser
 
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> FastAPI:
-    """An app serving `engine`; the engine thread starts with the app's lifespan and stops with it."""
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, *, api_key: str | None = None,
+               metrics_prefix: str = "ecoserve", tool_call_parser: str | None = None) -> FastAPI:
+    """An app serving `engine`; the engine thread starts with the app's lifespan and stops with it.
+
+    `api_key` guards the /v1 routes; `metrics_prefix` names the /metrics series (`vllm` for vLLM's
+    dashboards); `tool_call_parser` reads tool calls out of the text for tool_choice "auto".
+    """
     name = served_model_name or engine.engine.model_name
     if engine.observer is None:
-        engine.observer = ServerMetrics(engine.engine, name)
-    state = ServerState(engine, name, engine.observer)
+        engine.observer = ServerMetrics(engine.engine, name, metrics_prefix)
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    state = ServerState(engine, name, engine.observer, parser)
     created = int(time.time())
 
     @asynccontextmanager
@@ -35,6 +43,8 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> Fas
     app = FastAPI(title="ecoserve", version=getattr(ecoserve, "__version__", "0"), lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    if api_key:
+        install_api_key(app, api_key)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

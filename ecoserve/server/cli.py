@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any, Callable
 
 import uvicorn
 
 from ecoserve.engine.async_engine import AsyncEngine
+from ecoserve.server.auth import API_KEY_ENV
+from ecoserve.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,8 @@ def run_server(args: argparse.Namespace) -> int:
     kwargs["max_waiting"] = args.max_waiting_requests
     engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
     name = args.served_model_name or engine.engine.model_name
-    app = create_app(engine, name)
+    app = create_app(engine, name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                     metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
@@ -68,6 +72,12 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
                    help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they get an error")
+    p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer <key>` on every /v1 route "
+                   f"(default: ${API_KEY_ENV} if set; /health and /metrics stay open)")
+    p.add_argument("--metrics-prefix", default="ecoserve", help="prefix of the /metrics series; `vllm` lets "
+                   "vLLM's Grafana dashboards and alerts read them unchanged")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read out of the model's text for tool_choice 'auto'")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run_server)

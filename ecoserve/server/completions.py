@@ -50,7 +50,10 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     state.check_model(body.model)
     prompts = _prompts(state, body)
     num = body.logprobs
-    params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None)
+    structured, param = body.structured_output()
+    params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None,
+                                  structured=structured)
+    await state.compile_structured(params, param)
     job = start_job(state.engine, "cmpl", prompts, params)
     if body.stream:
         return StreamingResponse(_stream(state, body, job), media_type="text/event-stream")

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ecoserve.sampling import SamplingParams
 from ecoserve.server.errors import APIError, bad_request
+from ecoserve.server.tools import ChatTool, ToolChoice, check_tools, response_format_spec
+from ecoserve.structured import StructuredOutputsParams
 
 MAX_N = 128
 
@@ -48,17 +50,52 @@ class _SamplingBody(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_common(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (digit strings), got {key!r}",
+                                  param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {bias} for token {key}",
+                                  param="logit_bias")
         if not 1 <= self.n <= MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
+    def structured_output(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The one structured-output constraint the body asks for (at most one way of asking), and its field."""
+        requests = [("response_format", lambda: response_format_spec(self.response_format)),
+                    ("structured_outputs", lambda: StructuredOutputsParams(**self.structured_outputs)
+                     if self.structured_outputs is not None else None)]
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            requests.append((name, lambda name=name, kind=kind: StructuredOutputsParams(
+                **{kind: getattr(self, name)}) if getattr(self, name) is not None else None))
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        for name, make in requests:
+            try:
+                spec = make()
+            except (TypeError, ValueError) as e:
+                raise bad_request(str(e).replace("StructuredOutputsParams.__init__() ", ""), param=name) from None
+            if spec is not None:
+                asked.append((name, spec))
+        if len(asked) > 1:
+            raise bad_request(f"give at most one structured-output constraint, got {', '.join(n for n, _ in asked)}",
+                              param=asked[1][0])
+        return asked[0][1] if asked else None, asked[0][0] if asked else "response_format"
+
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Unset fields fall back to the model's generation_config, then to OpenAI's defaults."""
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -73,7 +110,9 @@ class _SamplingBody(_Body):
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                structured_outputs=structured)
         except ValueError as e:
             raise _param_error(e) from None
 
@@ -120,6 +159,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -134,18 +175,15 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
     def check(self) -> None:
         self.check_common()
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+        check_tools(self.tools, self.tool_choice)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
