@@ -105,10 +105,10 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 def start_cli_server(model: str, *args: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m ecoserve.cli serve` in a subprocess; returns it once /health answers."""
+    """`python -m ecoserve serve` in a subprocess; returns it once /health answers."""
     port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "ecoserve.cli", "serve", "--model", model, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "ecoserve", "serve", "--model", model, "--port", str(port),
                              "--num-threads", "1", "--uvicorn-log-level", "warning", *args],
                             cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
