@@ -124,14 +124,13 @@ class GuidedDecoder:
         rows = [(i, m) for i, rid in enumerate(request_ids) if (m := self._matchers.get(rid)) is not None]
         if not rows:
             return
-        from llguidance.torch import fill_next_token_bitmask
-
         words = (self.compiler.vocab_size + 31) // 32
         if self._bitmask is None or self._bitmask.shape[0] < len(rows):
             self._bitmask = torch.empty((max(len(rows), 8), words), dtype=torch.int32)
         bitmask = self._bitmask
+        # Straight into the tensor's memory (llguidance.torch would import torch.compile: seconds).
         for j, (_, matcher) in enumerate(rows):
-            fill_next_token_bitmask(matcher, bitmask, j)
+            matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
         allowed = ((bitmask[:len(rows)].unsqueeze(-1) >> _BITS) & 1).flatten(1).bool()
         vocab = logits.shape[1]
         if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids are never allowed
