@@ -51,13 +51,14 @@ class GrammarCompiler:
         self._hf_tokenizer, self.vocab_size = tokenizer, vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer = None
+        self._tokenizer_lock = threading.Lock()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._cache: dict[str, Future] = {}
         self._max_cached = max_cached
 
     def tokenizer(self):
-        with self._lock:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:  # ~0.3 s for a 50k vocabulary: built on first use
                 import llguidance.hf
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ecoserve.request import Logprobs, RequestOutput
 from ecoserve.server.errors import bad_request
 from ecoserve.server.protocol import ChatCompletionRequest
-from ecoserve.server.tools import ToolCalling, ToolStream, tool_call_spec
+from ecoserve.server.tools import ToolCalling, ToolStream, check_tools, requested_structure, tool_call_spec
 from ecoserve.server.serving import (ClientDisconnected, Job, ServerState, TokenText, abort_job, check_context,
                                      merge, run_to_end, sse, sse_error, start_job, top_entries, usage)
 
@@ -30,9 +30,10 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[Lo
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
     body.check()
+    check_tools(body.tools, body.tool_choice)
     state.check_model(body.model)
     calling = ToolCalling.of(body.tools, body.tool_choice, state.tool_parser)
-    structured, param = body.structured_output()
+    structured, param = requested_structure(body)
     if calling.mode in ("named", "required"):
         if structured is not None:
             raise bad_request("a structured-output constraint cannot be combined with tool_choice "

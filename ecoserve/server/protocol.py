@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ecoserve.sampling import SamplingParams
 from ecoserve.server.errors import APIError, bad_request
-from ecoserve.server.tools import ChatTool, ToolChoice, check_tools, response_format_spec
 from ecoserve.structured import StructuredOutputsParams
 
 MAX_N = 128
@@ -71,28 +70,6 @@ class _SamplingBody(_Body):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
-    def structured_output(self) -> tuple[StructuredOutputsParams | None, str]:
-        """The one structured-output constraint the body asks for (at most one way of asking), and its field."""
-        requests = [("response_format", lambda: response_format_spec(self.response_format)),
-                    ("structured_outputs", lambda: StructuredOutputsParams(**self.structured_outputs)
-                     if self.structured_outputs is not None else None)]
-        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                           ("guided_grammar", "grammar")):
-            requests.append((name, lambda name=name, kind=kind: StructuredOutputsParams(
-                **{kind: getattr(self, name)}) if getattr(self, name) is not None else None))
-        asked: list[tuple[str, StructuredOutputsParams]] = []
-        for name, make in requests:
-            try:
-                spec = make()
-            except (TypeError, ValueError) as e:
-                raise bad_request(str(e).replace("StructuredOutputsParams.__init__() ", ""), param=name) from None
-            if spec is not None:
-                asked.append((name, spec))
-        if len(asked) > 1:
-            raise bad_request(f"give at most one structured-output constraint, got {', '.join(n for n, _ in asked)}",
-                              param=asked[1][0])
-        return asked[0][1] if asked else None, asked[0][0] if asked else "response_format"
-
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -150,6 +127,30 @@ class CompletionRequest(_SamplingBody):
         return list(p)
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: str  # only "function" is served; checked with a clear message in server/tools.py
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -183,7 +184,6 @@ class ChatCompletionRequest(_SamplingBody):
 
     def check(self) -> None:
         self.check_common()
-        check_tools(self.tools, self.tool_choice)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):

@@ -12,39 +12,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from ecoserve.server.errors import bad_request
+from ecoserve.server.protocol import ChatTool, NamedToolChoice, ToolChoice, _SamplingBody
 from ecoserve.server.tool_parsers import ParsedOutput, ParsedToolCall, ToolParser
 from ecoserve.structured import StructuredOutputsParams
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class FunctionDefinition(_Body):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatTool(_Body):
-    type: str
-    function: FunctionDefinition
-
-
-class NamedFunction(_Body):
-    name: str
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 def response_format_spec(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
@@ -64,6 +35,29 @@ def response_format_spec(response_format: dict[str, Any] | None) -> StructuredOu
         return StructuredOutputsParams(json=inner.get("schema") or {"type": "object"})
     raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
                       param="response_format")
+
+
+def requested_structure(body: _SamplingBody) -> tuple[StructuredOutputsParams | None, str]:
+    """The one structured-output constraint a body asks for (at most one way of asking), and its field."""
+    requests = [("response_format", lambda: response_format_spec(body.response_format)),
+                ("structured_outputs", lambda: StructuredOutputsParams(**body.structured_outputs)
+                 if body.structured_outputs is not None else None)]
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        requests.append((name, lambda name=name, kind=kind: StructuredOutputsParams(
+            **{kind: getattr(body, name)}) if getattr(body, name) is not None else None))
+    asked: list[tuple[str, StructuredOutputsParams]] = []
+    for name, make in requests:
+        try:
+            spec = make()
+        except (TypeError, ValueError) as e:
+            raise bad_request(str(e).replace("StructuredOutputsParams.__init__() ", ""), param=name) from None
+        if spec is not None:
+            asked.append((name, spec))
+    if len(asked) > 1:
+        raise bad_request(f"give at most one structured-output constraint, got {', '.join(n for n, _ in asked)}",
+                          param=asked[1][0])
+    return asked[0][1] if asked else None, asked[0][0] if asked else "response_format"
 
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
