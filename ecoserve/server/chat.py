@@ -10,8 +10,8 @@ from ecoserve.request import Logprobs, RequestOutput
 from ecoserve.server.errors import bad_request
 from ecoserve.server.protocol import ChatCompletionRequest
 from ecoserve.server.tools import ToolCalling, ToolStream, check_tools, requested_structure, tool_call_spec
-from ecoserve.server.serving import (ClientDisconnected, Job, ServerState, TokenText, abort_job, check_context,
-                                     merge, run_to_end, sse, sse_error, start_job, top_entries, usage)
+from ecoserve.server.serving import (ClientDisconnected, DeltaStreams, Job, ServerState, TokenText, abort_job,
+                                     check_context, merge, run_to_end, sse, sse_error, start_job, top_entries, usage)
 
 
 def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[Logprobs], num: int) -> dict:
@@ -73,38 +73,38 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, job: Job,
              for i in range(job.params.n)]
     yield sse({**head, "choices": roles})
     tool_streams = [ToolStream(calling) for _ in range(job.params.n)]
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
+    deltas = DeltaStreams()
+    unsent_logprobs: dict[int, tuple[list[int], list[Logprobs]]] = {}  # tokens whose text a tool stream holds
     final: RequestOutput | None = None
     try:
         async for _, out in merge(job.streams):
             final = out
             rounds: list[list[dict[str, Any]]] = []  # one SSE event per round: each choice at most once in it
             for c in out.outputs:
-                if c.index in finished:
+                d = deltas.take(c.index, c)
+                if d is None:
                     continue
                 tools = tool_streams[c.index]
-                closing = c.finish_reason is not None
-                deltas = tools.deltas(c.text, final=closing) or ([{}] if closing else [])
+                pieces = tools.deltas(d.text, final=d.closing) or ([{}] if d.closing else [])
+                token_ids, logprobs = unsent_logprobs.pop(c.index, ([], []))
+                token_ids, logprobs = token_ids + d.token_ids, logprobs + d.logprobs
+                if not pieces:
+                    unsent_logprobs[c.index] = (token_ids, logprobs)
+                    continue
                 reason = c.finish_reason
                 if tools.finished_with_calls and reason == "stop":
                     reason = "tool_calls"
-                for k, delta in enumerate(deltas):
-                    last = k == len(deltas) - 1
+                for k, delta in enumerate(pieces):
+                    last = d.closing and k == len(pieces) - 1
                     choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None,
-                                              "finish_reason": reason if closing and last else None}
-                    if closing and last:
-                        choice["stop_reason"] = c.stop_reason
+                                              "finish_reason": reason if last else None,
+                                              "stop_reason": c.stop_reason if last else None}
                     if body.logprobs and k == 0:
-                        start = sent_tokens.get(c.index, 0)
-                        choice["logprobs"] = chat_logprobs(state.token_text, c.token_ids[start:],
-                                                           (c.logprobs or [])[start:], body.top_logprobs or 0)
-                        sent_tokens[c.index] = len(c.token_ids)
+                        choice["logprobs"] = chat_logprobs(state.token_text, token_ids, logprobs,
+                                                           body.top_logprobs or 0)
                     if k == len(rounds):
                         rounds.append([])
                     rounds[k].append(choice)
-                if closing:
-                    finished.add(c.index)
             for choices in rounds:
                 yield sse({**head, "choices": choices})
         if body.stream_options is not None and body.stream_options.include_usage:

@@ -165,28 +165,31 @@ class ToolStream:
     """Per-choice streaming: content deltas as they become safe, tool calls once they are complete.
 
     A named call streams its arguments as they are generated; other calls are sent whole, each
-    in one delta, when the output ends (what OpenAI clients accumulate is the same).
+    in one delta, when the output ends (what OpenAI clients accumulate is the same). It is fed the
+    text deltas; only the "auto" and "required" modes keep the text, to find and parse the calls.
     """
 
     calling: ToolCalling
-    _sent: int = 0  # characters of text already sent as content (or as named-call arguments)
+    _sent: int = 0  # characters of text already sent as content
     _opened: bool = False
+    _text: str = ""
     finished_with_calls: bool = field(default=False, init=False)
 
-    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+    def deltas(self, new_text: str, final: bool) -> list[dict[str, Any]]:
         mode = self.calling.mode
         if mode == "text":
-            return self._content(text, len(text))
+            return [{"content": new_text}] if new_text else []
         if mode == "named":
             out = []
             if not self._opened:
                 self._opened = True
                 out.append({"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
                                             "function": {"name": self.calling.function, "arguments": ""}}]})
-            if len(text) > self._sent:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": text[self._sent:]}}]})
-                self._sent = len(text)
+            if new_text:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]})
             return out
+        self._text += new_text
+        text = self._text
         if mode == "auto" and not final:
             parser = self.calling.parser
             start = parser.tool_start(text)

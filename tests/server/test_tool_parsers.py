@@ -53,10 +53,9 @@ def test_llama3_json():
 
 
 def _stream(calling, pieces):
-    stream, text, deltas = ToolStream(calling), "", []
+    stream, deltas = ToolStream(calling), []
     for i, piece in enumerate(pieces):
-        text += piece
-        deltas += stream.deltas(text, final=i == len(pieces) - 1)
+        deltas += stream.deltas(piece, final=i == len(pieces) - 1)
     return stream, deltas
 
 
