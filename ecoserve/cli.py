@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from ecoserve.bench import latency, throughput
+    from ecoserve.bench import latency, structured, throughput
     throughput.add_parser(bench)
     latency.add_parser(bench)
+    structured.add_parser(bench)
     try:
         from ecoserve.bench import serve as bench_serve
         bench_serve.add_parser(bench)

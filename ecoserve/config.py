@@ -52,6 +52,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
     revision: str | None = None
+    skip_tokenizer_init: bool = False  # token-id prompts and outputs only: no tokenizer is loaded
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

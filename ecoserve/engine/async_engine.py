@@ -178,11 +178,16 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.validate_prompt(prompt_token_ids)
         arrival = self.engine.clock.now() if arrival_time is None else arrival_time
+        params = self.engine.validate_params(params)
         stream = _Stream()
         self._streams[request_id] = stream
         self._adds_queued += 1
-        self._commands.put(("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids},
-                            params, arrival))
+        command = ("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, params, arrival)
+        if params.structured_outputs is None:
+            self._commands.put(command)
+        else:  # compile on the grammar thread; the engine loop takes the request once it is ready
+            self.engine.guided.compiler.submit(params.structured_outputs).add_done_callback(
+                lambda _: self._commands.put(command))
         return RequestStream(self, request_id, stream)
 
     def _forget(self, request_id: str, stream: _Stream) -> None:
@@ -228,6 +233,8 @@ class AsyncEngine:
         kind, request_id = command[0], command[1]
         if kind == "add":
             self._adds_applied += 1
+            if request_id not in self._streams:
+                return  # its consumer left before the add arrived (e.g. while its grammar compiled)
             try:
                 self.engine.add_request(request_id, command[2], command[3], arrival_time=command[4])
             except Exception as e:  # a bad request must not take the loop down

@@ -12,6 +12,7 @@ from ecoserve.config import EngineConfig
 from ecoserve.engine.kv_cache import PagedKVCache
 from ecoserve.engine.cpu import tune_allocator
 from ecoserve.engine.detokenizer import IncrementalDetokenizer
+from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder
 from ecoserve.engine.model_runner import ModelRunner
 from ecoserve.request import (CompletionOutput, Logprobs, OutputHistory, Request, RequestMetrics, RequestOutput,
                               RequestStatus)
@@ -20,6 +21,20 @@ from ecoserve.sched.interface import SchedulerOutput
 from ecoserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def validate_params(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> SamplingParams:
+    """Checks that need the model or tokenizer; returns the params to run with (also a cluster frontend's)."""
+    bad = [t for t in (params.logit_bias or {}) if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    if not has_tokenizer:
+        if params.stop or params.structured_outputs is not None:
+            raise ValueError("stop strings and structured outputs need a tokenizer, and this engine has none "
+                             "(skip_tokenizer_init)")
+        if params.detokenize:
+            params = params.clone(detokenize=False)
+    return params
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 PromptType = str | list[int] | dict[str, Any]
@@ -70,7 +85,7 @@ class LLMEngine:
             tune_allocator()
         self.clock = clock or WallClock()
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, revision=config.revision,
-                            tokenizer=config.tokenizer)
+                            tokenizer=config.tokenizer, skip_tokenizer_init=config.skip_tokenizer_init)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -93,7 +108,10 @@ class LLMEngine:
                     capacity / self.max_model_len)
         self.num_kv_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.clock, self.max_model_len)
-        self.executor = ModelRunner(model, num_blocks, block_size, config.device, config.seed)
+        # Matchers of constrained sequences live here, in the engine's process (also in a cluster instance).
+        self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids))
+                                    ) if self.tokenizer is not None else None
+        self.executor = ModelRunner(model, num_blocks, block_size, config.device, config.seed, self.guided)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -102,6 +120,9 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer, and this engine has none (skip_tokenizer_init); "
+                                 "pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -124,10 +145,17 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
+    def validate_params(self, params: SamplingParams) -> SamplingParams:
+        return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Validate and queue; on error nothing is queued and other requests are untouched."""
-        params = params or SamplingParams()
+        """Validate and queue; on error nothing is queued and other requests are untouched.
+
+        A structured-output grammar not compiled yet is compiled here, blocking; the AsyncEngine
+        compiles it on a worker thread before it calls this.
+        """
+        params = self.validate_params(params or SamplingParams())
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if SAMPLE_ID_SEP in request_id:
@@ -135,6 +163,8 @@ class LLMEngine:
                              f"samples, got {request_id!r}")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        if params.structured_outputs is not None:
+            self.guided.compiler.compile(params.structured_outputs)  # raises ValueError for a bad spec
         arrival = self.clock.now() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, token_ids,
                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
@@ -154,6 +184,8 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.add_request(child.request)
             self._child_to_parent[child.request.request_id] = parent
+            if params.structured_outputs is not None:
+                self.guided.add(child.request.request_id, params.structured_outputs)
         self._parents[request_id] = parent
         self.stats["prompt_tokens"] += len(token_ids)
 
@@ -165,8 +197,7 @@ class LLMEngine:
             if parent is None:
                 continue
             self.scheduler.abort_requests([c.request.request_id for c in parent.children])
-            for c in parent.children:
-                self._child_to_parent.pop(c.request.request_id, None)
+            self._forget(parent)
             aborted.append(rid)
         if aborted and not self.scheduler.has_unfinished_requests():
             self.flush_finished()
@@ -209,11 +240,16 @@ class LLMEngine:
             outputs.append(self._make_output(parent))
             if parent.finished:
                 del self._parents[parent.request_id]
-                for c in parent.children:
-                    self._child_to_parent.pop(c.request.request_id, None)
+                self._forget(parent)
         if not self.scheduler.has_unfinished_requests():
             self.flush_finished()
         return outputs
+
+    def _forget(self, parent: _Parent) -> None:
+        for c in parent.children:
+            self._child_to_parent.pop(c.request.request_id, None)
+            if self.guided is not None:
+                self.guided.remove(c.request.request_id)
 
     def flush_finished(self) -> None:
         """Hand the executor the ids of requests that left since its last batch, so it drops their state.
@@ -241,6 +277,8 @@ class LLMEngine:
             if stop is not None and not req.finished and req.num_output_tokens >= req.sampling_params.min_tokens:
                 req.stop_reason = stop
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            if self.guided is not None and self.guided.accept(req.request_id, token) and not req.finished:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         """This step's deltas of every sample (empty for samples without news), O(new tokens)."""

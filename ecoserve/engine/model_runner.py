@@ -12,13 +12,14 @@ import torch
 
 from ecoserve.engine.attention import PagedAttention
 from ecoserve.engine.kv_cache import PagedKVCache
+from ecoserve.engine.guided import GuidedDecoder
 from ecoserve.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, guided: GuidedDecoder | None = None) -> None:
         self.model = model
         self.device = torch.device(device)
         self.kv_cache = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
@@ -26,6 +27,7 @@ class ModelRunner:
         self.attention = PagedAttention(self.kv_cache)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.guided = guided  # grammar masks for constrained rows, applied before sampling (as vLLM); the engine owns it
         torch.manual_seed(seed)
 
     def _generator(self, request) -> torch.Generator | None:
@@ -66,6 +68,8 @@ class ModelRunner:
         result = StepResult()
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows])])
+            if self.guided is not None:
+                self.guided.apply(logits, [c.request.request_id for c, _ in sample_rows])
             rows = [SamplingRow.from_request(c.request, self._generator(c.request)) for c, _ in sample_rows]
             sampled = self.sampler(logits, rows)
             for k, (chunk, _) in enumerate(sample_rows):

@@ -55,10 +55,20 @@ class FrontendModel:
     """What the server handlers read as `engine.engine`: tokenizer and serving facts, no weights."""
 
     def __init__(self, loaded, max_model_len: int | None = None) -> None:
+        from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder
+
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_model_len = max_model_len or loaded.max_model_len
+        # Grammars are compiled here to refuse a bad one with a 400; the instances compile their own.
+        self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size,
+                                                    sorted(loaded.eos_token_ids))) if self.tokenizer else None
+
+    def validate_params(self, params: SamplingParams) -> SamplingParams:
+        from ecoserve.engine.llm_engine import validate_params
+
+        return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
 
 
 class ClusterEngine:
@@ -164,6 +174,7 @@ class ClusterEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._validate(prompt_token_ids)
+        params = self.engine.validate_params(params)
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
         req = LiveRequest(request_id, prompt, list(prompt_token_ids), params, arrival,

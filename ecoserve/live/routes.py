@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ecoserve.live.board import STATES
 from ecoserve.server.errors import bad_request
-from ecoserve.server.metrics import PREFIX, ServerMetrics
+from ecoserve.server.metrics import DEFAULT_PREFIX, ServerMetrics
 
 PHASES = ("idle", "prefill", "decode")
 
@@ -17,8 +17,8 @@ PHASES = ("idle", "prefill", "decode")
 class ClusterCollector:
     """Per-instance gauges and cluster counters, read from the frontend's board when scraped."""
 
-    def __init__(self, engine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine, model_name: str, prefix: str) -> None:
+        self.engine, self.model_name, self.prefix = engine, model_name, prefix
 
     def collect(self):
         now = time.monotonic()
@@ -26,7 +26,7 @@ class ClusterCollector:
         labels = ["model_name", "instance"]
 
         def gauge(name: str, doc: str, extra: list[str] = ()) -> GaugeMetricFamily:
-            return GaugeMetricFamily(PREFIX + name, doc, labels=labels + list(extra))
+            return GaugeMetricFamily(self.prefix + name, doc, labels=labels + list(extra))
 
         phase = gauge("instance_phase", "1 for the instance's current phase (idle, prefill, decode).", ["phase"])
         state = gauge("instance_state", "1 for the instance's state (starting, ready, draining, free, lost).",
@@ -34,7 +34,7 @@ class ClusterCollector:
         age = gauge("instance_status_age_seconds", "Seconds since the instance's last status.")
         reqs = gauge("instance_num_requests", "Requests the frontend has running on the instance.")
         free = gauge("instance_free_kv_tokens", "Free KV tokens the instance last reported.")
-        windows = CounterMetricFamily(PREFIX + "instance_windows", "Prefill windows opened on the instance.",
+        windows = CounterMetricFamily(self.prefix + "instance_windows", "Prefill windows opened on the instance.",
                                       labels=labels)
         for h in hs:
             lab = [self.model_name, str(h.instance_id)]
@@ -53,20 +53,23 @@ class ClusterCollector:
                          ("instance_deaths", "Instances declared lost."),
                          ("kv_bytes_moved", "KV bytes transferred between instances."),
                          ("refused_instances", "Instances refused at connect (version or model mismatch).")):
-            c = CounterMetricFamily(PREFIX + "cluster_" + key, doc, labels=["model_name"])
+            c = CounterMetricFamily(self.prefix + "cluster_" + key, doc, labels=["model_name"])
             c.add_metric([self.model_name], self.engine.counters[key])
             yield c
 
 
-def create_cluster_app(engine, served_model_name: str | None = None, generation_config: str = "auto") -> FastAPI:
-    """The OpenAI server's app over `engine` (a ClusterEngine), with the cluster routes added."""
+def create_cluster_app(engine, served_model_name: str | None = None, generation_config: str = "auto", *,
+                       metrics_prefix: str = DEFAULT_PREFIX, **server_options) -> FastAPI:
+    """The OpenAI server's app over `engine` (a ClusterEngine), with the cluster routes added.
+
+    `server_options` are `create_app`'s (API key, tool-call parser)."""
     from ecoserve.server.app import create_app
 
     name = served_model_name or engine.engine.model_name
     if engine.observer is None:
-        engine.observer = ServerMetrics(None, name)
-        engine.observer.registry.register(ClusterCollector(engine, name))
-    app = create_app(engine, name, generation_config)
+        engine.observer = ServerMetrics(None, name, metrics_prefix)
+        engine.observer.registry.register(ClusterCollector(engine, name, engine.observer.prefix))
+    app = create_app(engine, name, generation_config, metrics_prefix=metrics_prefix, **server_options)
 
     @app.get("/cluster")
     async def cluster() -> dict:

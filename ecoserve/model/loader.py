@@ -158,13 +158,16 @@ def _ids(value: Any) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
-def load_model_info(model: str | None, *, revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
+def load_model_info(model: str | None, *, revision: str | None = None, tokenizer: str | None = None,
+                    skip_tokenizer_init: bool = False) -> LoadedModel:
     """Everything but the weights (`model` is None): what a cluster frontend needs to tokenize and validate."""
     path = resolve_model_path(model, revision)
     spec = ModelSpec.from_dir(path)
-    tok = load_tokenizer(tokenizer or path, revision if tokenizer else None)
+    tok = None if skip_tokenizer_init else load_tokenizer(tokenizer or path, revision if tokenizer else None)
     generation = _read_json(path / "generation_config.json")
-    eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id")) | _ids(tok.eos_token_id)
+    eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id"))
+    if tok is not None:
+        eos |= _ids(tok.eos_token_id)
     defaults = {k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None}
     if model is None:
         from ecoserve.model.default import DEFAULT_MODEL_NAME
@@ -177,10 +180,13 @@ def load_model_info(model: str | None, *, revision: str | None = None, tokenizer
 
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
-    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded)."""
+               revision: str | None = None, tokenizer: str | None = None,
+               skip_tokenizer_init: bool = False) -> LoadedModel:
+    """Load weights, tokenizer (unless skipped: then None) and serving facts.
+
+    `model`: directory, .gguf, hub id, or None (embedded)."""
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
-    info = load_model_info(model, revision=revision, tokenizer=tokenizer)
+    info = load_model_info(model, revision=revision, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init)
     spec = info.spec
     torch_dtype = resolve_dtype(dtype, device, spec.torch_dtype)
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:

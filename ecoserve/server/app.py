@@ -12,12 +12,14 @@ from pydantic import BaseModel
 
 import ecoserve
 from ecoserve.engine.async_engine import AsyncEngine
+from ecoserve.server.auth import install_api_key
 from ecoserve.server.chat import create_chat_completion
 from ecoserve.server.completions import create_completion
 from ecoserve.server.errors import APIError, bad_request, install_error_handlers
 from ecoserve.server.metrics import ServerMetrics
 from ecoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ecoserve.server.serving import ServerState
+from ecoserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +27,23 @@ logger = logging.getLogger(__name__)
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None, generation_config: str = "auto") -> FastAPI:
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, generation_config: str = "auto", *,
+               api_key: str | None = None, metrics_prefix: str = "ecoserve",
+               tool_call_parser: str | None = None) -> FastAPI:
     """An app serving `engine`; the engine thread starts with the app's lifespan and stops with it.
 
     generation_config "auto": sampling fields a request omits take the model's generation_config.json
-    values (as vLLM's `--generation-config auto`); "vllm": they take OpenAI's defaults.
+    values (as vLLM's `--generation-config auto`); "vllm": they take OpenAI's defaults. `api_key`
+    guards the /v1 routes; `metrics_prefix` names the /metrics series (`vllm` for vLLM's dashboards);
+    `tool_call_parser` reads tool calls out of the text for tool_choice "auto".
     """
     if generation_config not in GENERATION_CONFIG_CHOICES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
     name = served_model_name or engine.engine.model_name
     if engine.observer is None:
-        engine.observer = ServerMetrics(engine.engine, name)
-    state = ServerState(engine, name, engine.observer, use_generation_config=generation_config == "auto")
+        engine.observer = ServerMetrics(engine.engine, name, metrics_prefix)
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    state = ServerState(engine, name, engine.observer, parser, use_generation_config=generation_config == "auto")
     _log_sampling_defaults(state, generation_config)
     created = int(time.time())
 
@@ -49,6 +56,8 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, genera
     app = FastAPI(title="ecoserve", version=getattr(ecoserve, "__version__", "0"), lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    if api_key:
+        install_api_key(app, api_key)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(raw: Request) -> Response:

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ecoserve.request import Logprobs, RequestOutput
 from ecoserve.server.protocol import CompletionRequest
+from ecoserve.server.tools import requested_structure
 from ecoserve.server.serving import (ClientDisconnected, DeltaStreams, Job, Prompt, ServerState, TokenText, abort_job,
                                      check_context, merge, run_to_end, sse, sse_error, start_job, usage)
 
@@ -50,7 +51,10 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     state.check_model(body.model)
     prompts = _prompts(state, body)
     num = body.logprobs
-    params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None)
+    structured, param = requested_structure(body)
+    params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None,
+                                  structured=structured)
+    await state.compile_structured(params, param)
     job = start_job(state.engine, "cmpl", prompts, params)
     if body.stream:
         return StreamingResponse(_stream(state, body, job), media_type="text/event-stream")

@@ -15,6 +15,7 @@ from pydantic.fields import FieldInfo
 
 from ecoserve.sampling import SamplingParams
 from ecoserve.server.errors import APIError, bad_request
+from ecoserve.structured import StructuredOutputsParams
 
 MAX_N = 128
 
@@ -85,15 +86,28 @@ class _SamplingBody(_Body):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_common(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (digit strings), got {key!r}",
+                                  param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {bias} for token {key}",
+                                  param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Unset fields fall back to the model's generation_config, then to OpenAI's defaults."""
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -108,7 +122,9 @@ class _SamplingBody(_Body):
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                structured_outputs=structured)
         except ValueError as e:
             raise _param_error(e) from None
 
@@ -146,6 +162,30 @@ class CompletionRequest(_SamplingBody):
         return list(p)
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: str  # only "function" is served; checked with a clear message in server/tools.py
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -155,6 +195,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -169,18 +211,14 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
     def check(self) -> None:
         self.check_common()
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
