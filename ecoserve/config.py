@@ -42,6 +42,45 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How one instance spreads over ranks: tensor parallel inside a stage, pipeline stages in a row."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: see model.parallel.partition_layers
+    max_concurrent_batches: int | None = None  # batches in flight; None: pipeline_parallel_size
+    step_timeout_s: float = 120.0  # a step (and every collective) not done by then names the stuck rank
+    startup_timeout_s: float = 600.0  # workers must have loaded their shards by then
+
+    def __post_init__(self) -> None:
+        _need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _need(self.pipeline_parallel_size >= 1,
+              f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        _need(self.max_concurrent_batches is None or self.max_concurrent_batches >= 1,
+              f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
+        _need(self.step_timeout_s > 0 and self.startup_timeout_s > 0, "step_timeout_s and startup_timeout_s must be > 0")
+        if isinstance(self.pp_layer_partition, str):
+            try:
+                self.pp_layer_partition = tuple(int(x) for x in self.pp_layer_partition.split(","))
+            except ValueError:
+                raise ValueError(f"pp_layer_partition must be comma-separated layer counts such as 12,11, got "
+                                 f"{self.pp_layer_partition!r}") from None
+        if self.pp_layer_partition is not None:
+            self.pp_layer_partition = tuple(self.pp_layer_partition)
+            _need(len(self.pp_layer_partition) == self.pipeline_parallel_size,
+                  f"pp_layer_partition gives {len(self.pp_layer_partition)} stages, pipeline_parallel_size is "
+                  f"{self.pipeline_parallel_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def batches_in_flight(self) -> int:
+        return self.max_concurrent_batches or self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     """Everything `LLM(...)` / `ecoserve serve` accept."""
 
@@ -54,6 +93,7 @@ class EngineConfig:
     revision: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _need(self.dtype in ("auto", "float32", "bfloat16", "float16"),

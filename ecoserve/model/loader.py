@@ -26,7 +26,7 @@ _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     spec: ModelSpec
     eos_token_ids: frozenset[int]
@@ -162,8 +162,11 @@ def _ids(value: Any) -> set[int]:
 
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
-    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded)."""
+               revision: str | None = None, tokenizer: str | None = None, weights: bool = True) -> LoadedModel:
+    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded).
+
+    weights=False: everything but the weights (`model` is None); parallel workers load their own shards.
+    """
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
     path = resolve_model_path(model, revision)
     spec = ModelSpec.from_dir(path)
@@ -171,7 +174,7 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
                        "differ from the reference past that length", spec.architecture, spec.sliding_window)
-    net = build_model(spec, path, torch_dtype, device)
+    net = build_model(spec, path, torch_dtype, device) if weights else None
     tok = load_tokenizer(tokenizer or path, revision if tokenizer else None)
     generation = _read_json(path / "generation_config.json")
     eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id")) | _ids(tok.eos_token_id)
