@@ -70,11 +70,13 @@ class MultiprocExecutor:
     def submit(self, batch: SchedulerOutput) -> StepFuture:
         self._check()
         step = self._builder.build(batch)
-        try:
-            for conn in self._conns:
+        for rank, conn in enumerate(self._conns):
+            try:
                 conn.send(step)
-        except (BrokenPipeError, OSError) as e:
-            self._fail(WorkerError(f"could not send step {step.step_id} to a worker: {e}"))
+            except (BrokenPipeError, OSError) as e:
+                self._drain(timeout=1.0)  # a dead process: its sentinel names it
+                self._fail(WorkerError(f"could not send step {step.step_id} to worker "
+                                       f"{self.topology.describe(rank)}: {e}"))
         self._acks[step.step_id] = 0
         self._submitted.append((step.step_id, time.monotonic() + self.step_timeout_s))
         return StepFuture(self, step.step_id)
