@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def _need(ok: bool, message: str) -> None:
@@ -26,12 +27,32 @@ class CacheConfig:
 
 
 @dataclass
+class TDPipeConfig:
+    """Knobs of the `tdpipe` policy (TD-Pipe's values by default)."""
+
+    profile: str | None = None  # tokens,ms CSV of this instance; None: the shipped L20 Llama-2-13B profile
+    num_stages: int | None = None  # pipeline stages; None: the engine's pipeline_parallel_size (1 alone)
+    peak_batch_size: int = 192  # padded tokens per prefill micro-batch; decode batches this big count as saturated
+    prefill_kv_fraction: float = 0.9  # stop prefilling once the predicted peak KV use reaches this share of blocks
+    predictor: Any = "oracle"  # "oracle" | "constant", or an OutputLengthPredictor (e.g. BucketMeans)
+    predictor_noise: float = 0.0  # oracle: relative Gaussian noise
+    predictor_constant: int = 256  # constant: the predicted length
+
+    def __post_init__(self) -> None:
+        _need(self.num_stages is None or self.num_stages >= 1, f"num_stages must be >= 1, got {self.num_stages}")
+        _need(self.peak_batch_size >= 1, f"peak_batch_size must be >= 1, got {self.peak_batch_size}")
+        _need(0 < self.prefill_kv_fraction <= 1, f"prefill_kv_fraction must be in (0, 1], got "
+                                                 f"{self.prefill_kv_fraction}")
+
+
+@dataclass
 class SchedulerConfig:
     policy: str = "chunked"  # registered names: see ecoserve.sched.policies
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: from the model config
     max_waiting: int | None = None  # waiting-queue limit for servers (None: unbounded)
+    tdpipe: TDPipeConfig = field(default_factory=TDPipeConfig)
 
     def __post_init__(self) -> None:
         _need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -85,3 +85,6 @@ class TemporalDisaggregation(PrefillFirst):
     macro instance's router (Algorithm 1) admits requests to an instance in bursts. The phase and
     the time of the last switch are reported in `Scheduler.status()`.
     """
+
+
+from ecoserve.sched import tdpipe  # noqa: E402,F401  (registers "tdpipe"; it builds on Policy above)

@@ -84,6 +84,9 @@ class Scheduler:
         self._order: dict[str, int] = {}
         self._counter = itertools.count()
         self._finished_since_step: list[str] = []
+        # ids of requests in a batch that has been scheduled but not yet updated (batches in flight): they are
+        # neither scheduled again nor preempted until their result is back
+        self.in_flight: set[str] = set()
         self.num_preemptions_total = 0
         self.phase = "idle"  # of the last non-empty step: "prefill" if it computed any prompt chunk, else "decode"
         self.last_phase_switch = clock.now()
@@ -142,8 +145,14 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- the mechanism policies use ------------------------------------------------------
+    def is_schedulable(self, req: Request) -> bool:
+        """Running and not in a batch in flight."""
+        return req.status is _RUNNING and req.request_id not in self.in_flight
+
     def schedule_running(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Give a running request its next tokens, preempting newer requests if KV runs out."""
+        if self.in_flight and req.request_id in self.in_flight:
+            return False
         # Hot path (once per request per step): plain comparisons instead of min() and properties.
         n = len(req.all_token_ids) - req.num_computed_tokens
         if step.token_budget < n:
@@ -154,7 +163,11 @@ class Scheduler:
             return False
         kv = self.kv
         while not kv.allocate_slots(req, n):
-            victim = max(self.running, key=lambda r: self._order[r.request_id])
+            candidates = [r for r in self.running if r.request_id not in self.in_flight] if self.in_flight \
+                else self.running
+            if not candidates:
+                return False
+            victim = max(candidates, key=lambda r: self._order[r.request_id])
             self.preempt(victim, step)
             if victim is req:
                 return False
@@ -172,6 +185,8 @@ class Scheduler:
                 break  # a full step stays full: only preemption frees budget, and it needs a schedule_running
             if step.num_preempted != preempted and req not in running:
                 continue  # preempted for an older request earlier in this loop
+            if self.in_flight and req.request_id in self.in_flight:
+                continue
             if not caching and len(req.all_token_ids) - req.num_computed_tokens == 1 and fits(req, 1):
                 add(req, 1)  # a decode in the blocks it has: what schedule_running would do, without the calls
             else:
@@ -215,6 +230,7 @@ class Scheduler:
         step = StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.policy.schedule(self, step)
         chunks = tuple(step.chunks.values())
+        self.in_flight.update(step.chunks)
         if chunks:
             phase = "prefill" if step.has_prefill else "decode"
             if phase != self.phase:
@@ -231,8 +247,10 @@ class Scheduler:
         now = self.clock.now()
         done = []
         sampled = result.sampled
+        in_flight = self.in_flight
         for chunk in output.chunks:
             req = chunk.request
+            in_flight.discard(req.request_id)
             if req.status is not _RUNNING:
                 continue  # finished (aborted) or preempted while the step ran
             req.num_computed_tokens += chunk.num_tokens
