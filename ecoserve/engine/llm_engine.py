@@ -9,30 +9,40 @@ import torch
 
 from ecoserve.clock import Clock, WallClock
 from ecoserve.config import EngineConfig
-from ecoserve.engine.attention import PagedKVCache
+from ecoserve.engine.kv_cache import PagedKVCache
 from ecoserve.engine.cpu import tune_allocator
 from ecoserve.engine.detokenizer import IncrementalDetokenizer
 from ecoserve.engine.model_runner import ModelRunner
-from ecoserve.request import (CompletionOutput, Logprobs, Request, RequestMetrics, RequestOutput, RequestStatus)
+from ecoserve.request import (CompletionOutput, Logprobs, OutputHistory, Request, RequestMetrics, RequestOutput,
+                              RequestStatus)
 from ecoserve.sampling import SamplingParams
+from ecoserve.sched.interface import SchedulerOutput
 from ecoserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 PromptType = str | list[int] | dict[str, Any]
+SAMPLE_ID_SEP = "\x1f"  # reserved: user ids never contain it, so sample ids never collide with them
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The scheduler's id of sample `index` of an n > 1 request."""
+    return f"{request_id}{SAMPLE_ID_SEP}{index}"
 
 
 @dataclass
 class _Child:
-    """One of the n samples of a user request, with its detokenizer and logprobs."""
+    """One of the n samples of a user request: its detokenizer, what it emitted, and this step's delta."""
 
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer
-    logprobs: list[Logprobs] | None
     cumulative_logprob: float | None
+    history: OutputHistory = field(default_factory=OutputHistory)
     num_processed: int = 0
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[Logprobs] | None = None
 
 
 @dataclass
@@ -91,6 +101,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.last_step_empty = False  # the last step() found nothing it could schedule
 
     def _kv_bytes_per_token(self) -> int:
         """KV bytes per token on the most loaded rank (the budget is per rank; blocks are the same on all)."""
@@ -144,6 +155,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if SAMPLE_ID_SEP in request_id:
+            raise ValueError(f"request ids must not contain {SAMPLE_ID_SEP!r}: it separates the ids of n > 1 "
+                             f"samples, got {request_id!r}")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         arrival = self.clock.now() if arrival_time is None else arrival_time
@@ -154,11 +168,14 @@ class LLMEngine:
             if params.n > 1:
                 child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i,
                                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            rid = request_id if params.n == 1 else sample_id(request_id, i)
             req = Request(rid, token_ids, child_params, arrival, self.eos_token_ids, self.max_model_len)
+            wants_logprobs = params.logprobs is not None
             parent.children.append(_Child(req, i, IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
-                                          [] if params.logprobs is not None else None,
-                                          0.0 if params.logprobs is not None else None))
+                                          0.0 if wants_logprobs else None,
+                                          OutputHistory(logprobs=[] if wants_logprobs else None)))
+        for child in parent.children:  # all of them, before any is queued
+            self.scheduler.check_request(child.request)
         for child in parent.children:
             self.scheduler.add_request(child.request)
             self._child_to_parent[child.request.request_id] = parent
@@ -176,6 +193,8 @@ class LLMEngine:
             for c in parent.children:
                 self._child_to_parent.pop(c.request.request_id, None)
             aborted.append(rid)
+        if aborted and not self.scheduler.has_unfinished_requests():
+            self.flush_finished()
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -186,8 +205,11 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns one delta output per request that got new tokens or finished."""
         out = self.scheduler.schedule()
+        self.last_step_empty = out.is_empty
         if out.is_empty:
+            self.flush_finished()
             return []
         result = self.executor.execute(out)
         self.scheduler.update(out, result)
@@ -214,7 +236,19 @@ class LLMEngine:
                 del self._parents[parent.request_id]
                 for c in parent.children:
                     self._child_to_parent.pop(c.request.request_id, None)
+        if not self.scheduler.has_unfinished_requests():
+            self.flush_finished()
         return outputs
+
+    def flush_finished(self) -> None:
+        """Hand the executor the ids of requests that left since its last batch, so it drops their state.
+
+        The scheduler keeps them for its next non-empty batch; an idle engine flushes them at once
+        (a request id reused later must start afresh, e.g. with a new seeded generator).
+        """
+        finished = self.scheduler.take_finished_ids()
+        if finished:
+            self.executor.execute(SchedulerOutput((), {}, finished_ids=finished))
 
     def _process_token(self, child: _Child, result) -> None:
         req = child.request
@@ -222,8 +256,11 @@ class LLMEngine:
             token = req.output_token_ids[child.num_processed]
             child.num_processed += 1
             self.stats["generation_tokens"] += 1
-            if child.logprobs is not None and req.request_id in result.logprobs:
-                child.logprobs.append(result.logprobs[req.request_id])
+            child.new_token_ids.append(token)
+            if child.cumulative_logprob is not None and req.request_id in result.logprobs:
+                if child.new_logprobs is None:
+                    child.new_logprobs = []
+                child.new_logprobs.append(result.logprobs[req.request_id])
                 child.cumulative_logprob += result.sampled_logprob[req.request_id]
             stop = child.detokenizer.append(token)
             if stop is not None and not req.finished and req.num_output_tokens >= req.sampling_params.min_tokens:
@@ -231,19 +268,22 @@ class LLMEngine:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
+        """This step's deltas of every sample (empty for samples without news), O(new tokens)."""
         outs = []
         for c in parent.children:
             req = c.request
             reason = req.status.value if req.finished else None
-            outs.append(CompletionOutput(c.index, c.detokenizer.text_so_far(final=req.finished),
-                                         list(req.output_token_ids), c.cumulative_logprob,
-                                         list(c.logprobs) if c.logprobs is not None else None, reason,
-                                         req.stop_reason))
+            new_text = c.detokenizer.take_new_text(final=req.finished)
+            new_logprobs = c.new_logprobs if c.new_logprobs is not None else (
+                None if c.history.logprobs is None else [])
+            c.history.extend(c.new_token_ids, new_text, new_logprobs)
+            outs.append(CompletionOutput(c.index, new_text, c.new_token_ids, c.cumulative_logprob, new_logprobs,
+                                         reason, req.stop_reason, c.history))
+            c.new_token_ids, c.new_logprobs = [], None
         first = parent.children[0].request
         times = first.times
         metrics = RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.last_token,
                                  times.finished, sum(c.request.num_preemptions for c in parent.children),
                                  first.num_cached_tokens)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
                              outs, parent.finished, metrics, first.num_cached_tokens)

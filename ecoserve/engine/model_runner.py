@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from ecoserve.engine.attention import PagedAttention, PagedKVCache
+from ecoserve.engine.attention import PagedAttention
+from ecoserve.engine.kv_cache import PagedKVCache
 from ecoserve.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 
@@ -49,7 +50,7 @@ class ModelRunner:
             req = chunk.request
             end = chunk.start + chunk.num_tokens
             ids.extend(req.all_token_ids[chunk.start:end])
-            spans.append((chunk.start, chunk.num_tokens, batch.block_tables[req.request_id]))
+            spans.append((chunk.start, chunk.num_tokens, batch.block_tables[req.request_id], chunk.is_prefill))
             if req.sampling_params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
                 last = min(end, req.num_prompt_tokens - 1)  # positions whose next token is a prompt token
                 prompt_rows.append((chunk, offset, last - chunk.start))
@@ -57,7 +58,7 @@ class ModelRunner:
                 sample_rows.append((chunk, offset + chunk.num_tokens - 1))
             offset += chunk.num_tokens
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(s, s + n) for s, n, _ in spans]).to(self.device)
+        positions = torch.cat([torch.arange(s, s + n) for s, n, _, _ in spans]).to(self.device)
         self.attention.meta = self.attention.build_metadata(spans)
         hidden = self.model(input_ids, positions, self.attention)
         self.attention.meta = None

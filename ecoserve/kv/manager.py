@@ -61,11 +61,6 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * bs
         return hits
 
-    def fits_in_own_blocks(self, req: Request, num_new_tokens: int) -> bool:
-        """True if the request's blocks already hold `num_new_tokens` more (allocate_slots would be a no-op)."""
-        owned = self._blocks.get(req.request_id)
-        return owned is not None and req.num_computed_tokens + num_new_tokens <= len(owned) * self.block_size
-
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if it won't fit."""
         owned = self._blocks.get(req.request_id)
@@ -121,14 +116,21 @@ class KVCacheManager:
         """Release the request's blocks; those from token `uncomputed_from` on leave the prefix index.
 
         A request preempted in the step that scheduled it never computes the blocks indexed for
-        that step, so they must not serve later hits.
+        that step, so they must not serve later hits, nor may another request already hold them.
         """
-        blocks = self._blocks.pop(req.request_id, None)
+        blocks = self._blocks.get(req.request_id)
+        uncomputed = blocks[uncomputed_from // self.block_size:] if blocks and uncomputed_from is not None else []
+        shared = [b.block_id for b in uncomputed if b.ref_cnt > 1]
+        if shared:
+            # Another request hit these blocks this step and would read KV that nobody writes: a
+            # policy must preempt before it admits (the built-in ones do).
+            raise AssertionError(f"request {req.request_id!r} is preempted while other requests share its "
+                                 f"not yet computed blocks {shared}")
+        self._blocks.pop(req.request_id, None)
         self._block_ids.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
         if not blocks:
             return
-        if uncomputed_from is not None:
-            for block in blocks[uncomputed_from // self.block_size:]:
-                self.pool.uncache(block)
+        for block in uncomputed:
+            self.pool.uncache(block)
         self.pool.free(blocks[::-1])

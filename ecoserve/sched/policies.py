@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from ecoserve.sched.scheduler import decoding, prefilling
+from ecoserve.sched.step import StepBuilder, decoding, prefilling
 
-if TYPE_CHECKING:
-    from ecoserve.sched.scheduler import Scheduler, StepBuilder
+if TYPE_CHECKING:  # the scheduler imports this module; policies only receive one
+    from ecoserve.sched.scheduler import Scheduler
 
 POLICIES: dict[str, type["Policy"]] = {}
 
@@ -32,11 +32,11 @@ def make_policy(name: str) -> "Policy":
 class Policy:
     name = "base"
 
-    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+    def schedule(self, sched: "Scheduler", step: StepBuilder) -> None:
         raise NotImplementedError
 
 
-def _admit_waiting(sched: "Scheduler", step: "StepBuilder", whole_prompts: bool) -> None:
+def _admit_waiting(sched: "Scheduler", step: StepBuilder, whole_prompts: bool) -> None:
     """FCFS admission; stop at the first request that does not fit (no overtaking)."""
     while sched.waiting and not step.full():
         req = sched.waiting[0]
@@ -55,7 +55,7 @@ class PrefillFirst(Policy):
     token budget (its chunks then keep priority until the prompt is done).
     """
 
-    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+    def schedule(self, sched: "Scheduler", step: StepBuilder) -> None:
         for req in prefilling(sched.running):
             if step.full() or not sched.schedule_running(req, step):
                 break
@@ -70,7 +70,7 @@ class PrefillFirst(Policy):
 class ChunkedPrefill(Policy):
     """Sarathi style: decodes first, then ongoing prompt chunks, then new prompts, in one hybrid batch."""
 
-    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+    def schedule(self, sched: "Scheduler", step: StepBuilder) -> None:
         # Preempted requests (for an older one) are skipped.
         sched.schedule_running_all(decoding(sched.running) + prefilling(sched.running), step)
         if not step.num_preempted:  # memory is short: let running requests finish first

@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ecoserve.request import Logprobs, RequestOutput
 from ecoserve.server.protocol import ChatCompletionRequest
-from ecoserve.server.serving import (ClientDisconnected, Job, ServerState, TokenText, abort_job, check_context,
-                                     merge, run_to_end, sse, sse_error, start_job, top_entries, usage)
+from ecoserve.server.serving import (ClientDisconnected, DeltaStreams, Job, ServerState, TokenText, abort_job,
+                                     check_context, merge, run_to_end, sse, sse_error, start_job, top_entries, usage)
 
 
 def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[Logprobs], num: int) -> dict:
@@ -58,29 +58,22 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, job: Job) -> 
     roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for i in range(job.params.n)]
     yield sse({**head, "choices": roles})
-    sent_chars: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
+    deltas = DeltaStreams()
     final: RequestOutput | None = None
     try:
         async for _, out in merge(job.streams):
             final = out
             choices = []
             for c in out.outputs:
-                text = c.text[sent_chars.get(c.index, 0):]
-                closing = c.finish_reason is not None and c.index not in finished
-                if not (text or closing):
+                d = deltas.take(c.index, c)
+                if d is None:
                     continue
-                choice: dict[str, Any] = {"index": c.index, "delta": {"content": text} if text else {},
+                choice: dict[str, Any] = {"index": c.index, "delta": {"content": d.text} if d.text else {},
                                           "logprobs": None, "finish_reason": c.finish_reason,
                                           "stop_reason": c.stop_reason}
                 if body.logprobs:
-                    start = sent_tokens.get(c.index, 0)
-                    choice["logprobs"] = chat_logprobs(state.token_text, c.token_ids[start:],
-                                                       (c.logprobs or [])[start:], body.top_logprobs or 0)
-                sent_chars[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                if closing:
-                    finished.add(c.index)
+                    choice["logprobs"] = chat_logprobs(state.token_text, d.token_ids, d.logprobs,
+                                                       body.top_logprobs or 0)
                 choices.append(choice)
             if choices:
                 yield sse({**head, "choices": choices})

@@ -74,7 +74,7 @@ class ServerMetrics:
             m = out.metrics
             if m is None or m.first_token_time is None:
                 continue
-            num_tokens = len(out.outputs[0].token_ids)
+            num_tokens = out.outputs[0].num_tokens
             seen = self._seen.get(out.request_id)
             if seen is None:
                 self.ttft.observe(m.first_token_time - m.arrival_time)

@@ -12,7 +12,7 @@ from fastapi import Request
 
 from ecoserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
                                           EngineShutdownError)
-from ecoserve.request import RequestOutput
+from ecoserve.request import CompletionOutput, Logprobs, RequestOutput
 from ecoserve.sampling import SamplingParams
 from ecoserve.server.errors import APIError, bad_request
 
@@ -160,6 +160,47 @@ async def run_to_end(state: "ServerState", raw: Request, job: Job) -> list[Reque
         raise engine_error(e) from None
     finally:
         abort_job(state.engine, job)
+
+
+@dataclass
+class _Unsent:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    started: bool = False
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one streamed chunk of one choice carries."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprobs]
+    first: bool  # the choice's first chunk
+    closing: bool  # the choice's last chunk (finish_reason set)
+
+
+class DeltaStreams:
+    """Turns engine deltas into SSE chunks per choice: tokens whose text the detokenizer still holds
+    back (a possible stop string, a partial character) wait and go out with the text they make."""
+
+    def __init__(self) -> None:
+        self._choices: dict[int, _Unsent] = {}
+
+    def take(self, index: int, c: CompletionOutput, force_first: bool = False) -> ChoiceDelta | None:
+        """The chunk to send for choice `index` now, or None while there is nothing to show."""
+        st = self._choices.setdefault(index, _Unsent())
+        st.token_ids.extend(c.new_token_ids)
+        if c.new_logprobs:
+            st.logprobs.extend(c.new_logprobs)
+        closing = c.finished and not st.closed
+        first = not st.started
+        if not (c.new_text or closing or (first and force_first)):
+            return None
+        delta = ChoiceDelta(c.new_text, st.token_ids, st.logprobs, first, closing)
+        st.token_ids, st.logprobs, st.started, st.closed = [], [], True, st.closed or closing
+        return delta
 
 
 def usage(prompts: list[Prompt], outputs: list[RequestOutput | None]) -> dict[str, int]:
