@@ -145,17 +145,35 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ecoserve"
 
 
-def cached_conversion(gguf_path: str | Path) -> Path:
+def cached_conversion(gguf_path: str | Path, generation_defaults: dict | None = None) -> Path:
     """The converted directory of `gguf_path`, converting on first use.
 
     Concurrent first uses each convert into a private temp dir and rename it into place; the
     first rename wins and the others discard their copy, so readers never see a partial dir.
+    `generation_defaults` (e.g. a model card's recommended sampling) go into its
+    generation_config.json, also in a directory converted before they were known.
     """
     gguf_path = Path(gguf_path).resolve()
     st = gguf_path.stat()
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
-    if (target / "config.json").is_file():
-        return target
+    if not (target / "config.json").is_file():
+        _convert_into_place(gguf_path, target)
+    if generation_defaults:
+        _merge_generation_config(target, generation_defaults)
+    return target
+
+
+def _merge_generation_config(model_dir: Path, values: dict) -> None:
+    path = model_dir / "generation_config.json"
+    current = json.loads(path.read_text()) if path.is_file() else {}
+    if all(current.get(k) == v for k, v in values.items()):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**current, **values}, indent=2))
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+def _convert_into_place(gguf_path: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -168,5 +186,4 @@ def cached_conversion(gguf_path: str | Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 

@@ -78,13 +78,28 @@ class ChunkedPrefill(Policy):
 
 
 @register("temporal")
-class TemporalDisaggregation(PrefillFirst):
-    """EcoServe's instance policy: prefill everything the macro scheduler admitted, else decode.
+class TemporalDisaggregation(Policy):
+    """EcoServe's instance policy: the window's prompts first, all together; otherwise decode.
 
-    The instance itself is prefill-first; phases last as long as routing makes them, because the
-    macro instance's router (Algorithm 1) admits requests to an instance in bursts. The phase and
-    the time of the last switch are reported in `Scheduler.status()`.
+    Every prompt queued at a step boundary that the window admits (`Scheduler.window`) goes into
+    the step, chunked to fill `max_num_batched_tokens`, so k prompts take ceil(tokens / budget)
+    steps; decodes wait meanwhile and resume when none is pending. A new prompt never starts
+    outside a window (the macro-instance scheduler opens and closes them: `open_window` /
+    `close_window`); a preempted request recomputes whenever it can, as it was admitted already.
     """
 
+    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+        for req in prefilling(sched.running):  # prompts a window admitted, chunk after chunk
+            if step.full() or not sched.schedule_running(req, step):
+                break
+        window = sched.window
+        while sched.waiting and not step.full():
+            req = sched.waiting[0]
+            resumed = req.times.first_scheduled is not None  # preempted: recomputes whenever it can
+            if not (resumed or window.may_admit(req.request_id)) or not sched.admit(req, step):
+                break
+        if step.chunks:
+            return
+        sched.schedule_running_all(list(sched.running), step)
 
 from ecoserve.sched import tdpipe  # noqa: E402,F401  (registers "tdpipe"; it builds on Policy above)

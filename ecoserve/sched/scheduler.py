@@ -19,6 +19,7 @@ from ecoserve.sched.interface import SchedulerOutput, StepResult
 from ecoserve.sched.policies import make_policy
 from ecoserve.sched.status import RequestProgress, SchedulerStatus
 from ecoserve.sched.step import StepBuilder
+from ecoserve.sched.window import PrefillWindow
 
 logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
@@ -42,8 +43,23 @@ class Scheduler:
         # neither scheduled again nor preempted until their result is back
         self.in_flight: set[str] = set()
         self.num_preemptions_total = 0
-        self.phase = "idle"  # of the last non-empty step: "prefill" if it computed any prompt chunk, else "decode"
-        self.last_phase_switch = clock.now()
+        self._last_step_phase = "idle"  # "prefill" if the last non-empty step computed a prompt chunk, else "decode"
+        self.last_phase_switch = self.created_at = clock.now()
+        self.window = PrefillWindow()  # commanded by the macro-instance scheduler (temporal policy)
+
+    # ---- phase and window (the one definition; see sched/window.py) ------------------------
+    @property
+    def phase(self) -> str:
+        """"idle" with nothing to run, else the kind of the last step: "prefill" or "decode"."""
+        return self._last_step_phase if self.waiting or self.running else "idle"
+
+    def open_window(self) -> bool:
+        """The macro scheduler admits prompts to this instance from now on; False if already open."""
+        return self.window.open(self.clock.now(), {r.request_id: r.num_output_tokens for r in self.running})
+
+    def close_window(self) -> bool:
+        """No new prompts from now on; the ones already queued still run. False if already closed."""
+        return self.window.close(self.clock.now(), (r.request_id for r in self.waiting))
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -197,8 +213,8 @@ class Scheduler:
         self.in_flight.update(step.chunks)
         if chunks:
             phase = "prefill" if step.has_prefill else "decode"
-            if phase != self.phase:
-                self.phase, self.last_phase_switch = phase, self.clock.now()
+            if phase != self._last_step_phase:
+                self._last_step_phase, self.last_phase_switch = phase, self.clock.now()
         # Finished ids ride only on a batch that will run (drivers skip empty ones), else on take_finished_ids().
         finished = self.take_finished_ids() if chunks else ()
         return SchedulerOutput(

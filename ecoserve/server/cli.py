@@ -48,7 +48,7 @@ def run_server(args: argparse.Namespace) -> int:
     kwargs["max_waiting"] = args.max_waiting_requests
     engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
     name = args.served_model_name or engine.engine.model_name
-    app = create_app(engine, name)
+    app = create_app(engine, name, args.generation_config)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
@@ -64,6 +64,10 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` "
                    "(default: the --model argument, or SmolLM2-135M-Instruct)")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: sampling fields a request omits take the model's generation_config.json values "
+                        "(the embedded model's: temperature 0.2, top_p 0.9); vllm: OpenAI's defaults "
+                        "(temperature 1.0, top_p 1.0). Default: %(default)s")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -1,14 +1,17 @@
 """Request bodies of the OpenAI API (plus vLLM's sampling extensions) and their SamplingParams.
 
 Bodies are parsed with pydantic in strict JSON mode, so a wrong type is an error rather than a
-silent coercion; unknown fields are ignored, as OpenAI-compatible servers do. Range checks are
-left to SamplingParams, whose messages name the field.
+silent coercion; unknown fields are ignored, as OpenAI-compatible servers do. Value ranges are
+declared on the fields (so /openapi.json documents what is accepted) and a value outside one is a
+400 that states the whole range; rules across fields are left to SamplingParams.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import annotated_types
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from ecoserve.sampling import SamplingParams
 from ecoserve.server.errors import APIError, bad_request
@@ -16,8 +19,42 @@ from ecoserve.server.errors import APIError, bad_request
 MAX_N = 128
 
 
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @classmethod
+    def parse(cls, body: bytes) -> Any:
+        """Validate a JSON body; a top-level value out of its declared range is a 400 naming the range."""
+        try:
+            return cls.model_validate_json(body)
+        except ValidationError as e:
+            first = (e.errors() or [{}])[0]
+            loc = first.get("loc", ())
+            if first.get("type") in _RANGE_ERRORS and len(loc) == 1 and loc[0] in cls.model_fields:
+                name = loc[0]
+                raise bad_request(f"{name} must be {_range_text(cls.model_fields[name])}, got {first['input']!r}",
+                                  param=name) from None
+            raise
+
+
+def _range_text(info: FieldInfo) -> str:
+    """">= 0", "(0, 1]", "[1, 128]": the bounds declared on a field."""
+    low = high = None
+    for m in info.metadata:
+        if isinstance(m, annotated_types.Ge):
+            low = f"[{m.ge}", f">= {m.ge}"
+        elif isinstance(m, annotated_types.Gt):
+            low = f"({m.gt}", f"> {m.gt}"
+        elif isinstance(m, annotated_types.Le):
+            high = f"{m.le}]", f"<= {m.le}"
+        elif isinstance(m, annotated_types.Lt):
+            high = f"{m.lt})", f"< {m.lt}"
+    if low and high:
+        return f"in {low[0]}, {high[0]}"
+    return (low or high)[1]
 
 
 class StreamOptions(_Body):
@@ -27,33 +64,31 @@ class StreamOptions(_Body):
 
 class _SamplingBody(_Body):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0 disable it
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
     def check_common(self) -> None:
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
-        if not 1 <= self.n <= MAX_N:
-            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -86,9 +121,9 @@ def _param_error(e: ValueError) -> APIError:
 
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -131,9 +166,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

@@ -244,6 +244,7 @@ class ServerState:
     engine: AsyncEngine
     model_name: str
     metrics: Any = None
+    use_generation_config: bool = True  # unset sampling fields take the model's generation_config.json
     token_text: TokenText = field(init=False)
 
     def __post_init__(self) -> None:
@@ -259,7 +260,8 @@ class ServerState:
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return self.engine.engine.loaded.generation_defaults
+        """Sampling defaults for fields a request leaves unset (before OpenAI's own defaults)."""
+        return self.engine.engine.loaded.generation_defaults if self.use_generation_config else {}
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, "", self.model_name):

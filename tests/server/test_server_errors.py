@@ -25,7 +25,13 @@ CASES = [
     ("top_p 0", CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ("max_tokens 0", CMPL, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
     ("max_tokens -5", CMPL, {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens", ">= 1"),
-    ("n 0", CMPL, {"prompt": "hi", "n": 0}, 400, "n", ""),
+    ("n 0", CMPL, {"prompt": "hi", "n": 0}, 400, "n", "[1, 128]"),
+    ("n 200", CMPL, {"prompt": "hi", "n": 200}, 400, "n", "n must be in [1, 128], got 200"),
+    ("stop_token_ids -1", CMPL, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids.0", ""),
+    ("chat: top_logprobs 30", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
+     "[0, 20]"),
+    ("chat: max_completion_tokens 0", CHAT, {"messages": USER, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", ">= 1"),
     ("logprobs 50", CMPL, {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "[0, 20]"),
     ("presence_penalty 3", CMPL, {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
     ("top_k -2", CMPL, {"prompt": "hi", "top_k": -2}, 400, "top_k", ""),
@@ -104,3 +110,38 @@ def test_openai_client_raises_typed_errors(server):
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=USER)
+
+
+def test_openapi_declares_what_is_accepted(http):
+    spec = http.get("/openapi.json").json()
+    body = spec["paths"][CMPL]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"minimum": 0, "type": "number"} in props["temperature"]["anyOf"]
+    assert {"exclusiveMinimum": 0, "maximum": 1, "type": "number"} in props["top_p"]["anyOf"]
+    assert (props["n"]["minimum"], props["n"]["maximum"]) == (1, 128)
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert "messages" in chat["required"] and "ChatMessage" in spec["components"]["schemas"]
+
+
+def test_declared_ranges_are_no_looser_than_sampling_params():
+    """Whatever the schema lets through at its bounds, SamplingParams accepts too."""
+    import annotated_types
+
+    from ecoserve.sampling import SamplingParams
+    from ecoserve.server.protocol import CompletionRequest
+
+    checked = 0
+    for name, info in CompletionRequest.model_fields.items():
+        if name not in SamplingParams.__dataclass_fields__:
+            continue
+        for m in info.metadata:
+            if isinstance(m, (annotated_types.Ge, annotated_types.Le)):
+                value = m.ge if isinstance(m, annotated_types.Ge) else m.le
+            elif isinstance(m, annotated_types.Gt):
+                value = m.gt + 1e-3
+            else:
+                continue
+            SamplingParams(**{name: value, "max_tokens": 16 if name != "max_tokens" else value})
+            checked += 1
+    assert checked >= 10
