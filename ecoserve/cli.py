@@ -18,6 +18,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks per pipeline stage")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--pp-layer-partition", default=None,
+                   help="layers per stage, e.g. 12,11 (default: floor(L/pp) each, the remainder to the stages "
+                        "before the last, which also runs the LM head)")
+    p.add_argument("--max-concurrent-batches", type=int, default=None,
+                   help="batches in flight (default: the pipeline parallel size)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -25,7 +32,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
-                num_threads=args.num_threads, seed=args.seed)
+                num_threads=args.num_threads, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
+                max_concurrent_batches=args.max_concurrent_batches)
 
 
 def _generate(args: argparse.Namespace) -> int:

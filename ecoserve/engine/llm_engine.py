@@ -84,17 +84,17 @@ class LLMEngine:
         if config.device == "cpu":
             tune_allocator()
         self.clock = clock or WallClock()
+        parallel = config.parallel
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, revision=config.revision,
-                            tokenizer=config.tokenizer, skip_tokenizer_init=config.skip_tokenizer_init)
+                            tokenizer=config.tokenizer, skip_tokenizer_init=config.skip_tokenizer_init,
+                            weights=parallel.world_size == 1)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or loaded.max_model_len
-        model = loaded.model
-        model.ensure_positions(self.max_model_len)
         block_size = config.cache.block_size
-        per_token = PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+        per_token = self._kv_bytes_per_token()
         # Default budget: 1 GiB, or less when even max_num_seqs requests at max_model_len need less.
         budget = config.cache.kv_cache_memory_bytes or min(
             DEFAULT_CPU_KV_BYTES, per_token * self.max_model_len * config.scheduler.max_num_seqs)
@@ -111,11 +111,37 @@ class LLMEngine:
         # Matchers of constrained sequences live here, in the engine's process (also in a cluster instance).
         self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids))
                                     ) if self.tokenizer is not None else None
-        self.executor = ModelRunner(model, num_blocks, block_size, config.device, config.seed, self.guided)
+        if parallel.world_size == 1:
+            loaded.model.ensure_positions(self.max_model_len)
+            self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed, self.guided)
+        else:
+            from ecoserve.distributed.launch import start_workers
+            self.executor = start_workers(config, loaded, num_blocks, self.max_model_len)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.last_step_empty = False  # the last step() found nothing it could schedule
+
+    def _kv_bytes_per_token(self) -> int:
+        """KV bytes per token on the most loaded rank (the budget is per rank; blocks are the same on all)."""
+        config, spec = self.config, self.loaded.spec
+        parallel = config.parallel
+        if parallel.world_size == 1:
+            model = self.loaded.model
+            return PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+        from ecoserve.model.loader import resolve_dtype
+        from ecoserve.model.parallel import HeadShard, partition_layers
+
+        stages = partition_layers(spec.num_layers, parallel.pipeline_parallel_size, parallel.pp_layer_partition)
+        kv_heads = HeadShard.of(spec, parallel.tensor_parallel_size, 0).num_kv_heads
+        dtype = resolve_dtype(config.dtype, config.device, spec.torch_dtype)
+        return max(PagedKVCache.bytes_per_token(len(r), kv_heads, spec.head_dim, dtype) for r in stages)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel instance (nothing to do in-process)."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -146,6 +172,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
     def validate_params(self, params: SamplingParams) -> SamplingParams:
+        if params.structured_outputs is not None and self.config.parallel.world_size > 1:
+            # The ranks' runners hold no grammar matchers: refuse rather than sample unconstrained.
+            raise ValueError("structured outputs are not supported with tensor or pipeline parallelism yet")
         return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,

@@ -66,8 +66,13 @@ class ModelRunner:
         self.attention.meta = None
 
         result = StepResult()
-        if sample_rows:
+        if self.model.lm_head is None:  # an earlier pipeline stage: its hidden states went on to the next
+            result.duration = time.perf_counter() - started
+            return result
+        logits = None
+        if sample_rows:  # under tensor parallelism only rank 0 gets the gathered logits (None elsewhere)
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows])])
+        if logits is not None:
             if self.guided is not None:
                 self.guided.apply(logits, [c.request.request_id for c, _ in sample_rows])
             rows = [SamplingRow.from_request(c.request, self._generator(c.request)) for c, _ in sample_rows]
@@ -81,6 +86,8 @@ class ModelRunner:
         for chunk, offset, n in prompt_rows:
             req = chunk.request
             logits = self.model.compute_logits(hidden[offset:offset + n])
+            if logits is None:
+                continue
             targets = torch.tensor(req.prompt_token_ids[chunk.start + 1:chunk.start + 1 + n])
             result.prompt_logprobs[req.request_id] = prompt_logprobs(logits, targets,
                                                                      req.sampling_params.prompt_logprobs)

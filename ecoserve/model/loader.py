@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ecoserve.model.parallel import ShardPlan, StageLink, TPComm
 from ecoserve.model.registry import get_model_class
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 
@@ -111,23 +112,25 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) per checkpoint tensor: the model reads only the rows or columns it holds."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
-def build_model(spec: ModelSpec, path: Path, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """Allocate the model once in `dtype` on `device` and copy the checkpoint tensors into it."""
+def build_model(spec: ModelSpec, path: Path, dtype: torch.dtype, device: str | torch.device,
+                shard: ShardPlan = ShardPlan(), tp: TPComm | None = None,
+                link: StageLink | None = None) -> torch.nn.Module:
+    """Allocate the model (or one rank's shard of it) once in `dtype` on `device` and load the checkpoint."""
     cls = get_model_class(spec.architecture)
     with torch.device("meta"):
-        model = cls(spec, dtype)
+        model = cls(spec, dtype, shard, tp, link)
     model = model.to_empty(device=device)
-    if spec.tie_word_embeddings:  # to_empty re-creates parameters, so tie again
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights()  # to_empty re-creates parameters, so tie again
     model.rotary.build(spec.max_position_embeddings, device)
     model.load_weights(iter_safetensors(safetensors_files(path)))
     return model.eval().requires_grad_(False)
@@ -181,10 +184,11 @@ def load_model_info(model: str | None, *, revision: str | None = None, tokenizer
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                revision: str | None = None, tokenizer: str | None = None,
-               skip_tokenizer_init: bool = False) -> LoadedModel:
+               skip_tokenizer_init: bool = False, weights: bool = True) -> LoadedModel:
     """Load weights, tokenizer (unless skipped: then None) and serving facts.
 
-    `model`: directory, .gguf, hub id, or None (embedded)."""
+    `model`: directory, .gguf, hub id, or None (embedded). weights=False: everything but the weights
+    (`model` is None); parallel workers load their own shards."""
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
     info = load_model_info(model, revision=revision, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init)
     spec = info.spec
@@ -192,5 +196,6 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
                        "differ from the reference past that length", spec.architecture, spec.sliding_window)
-    info.model = build_model(spec, info.path, torch_dtype, device)
+    if weights:
+        info.model = build_model(spec, info.path, torch_dtype, device)
     return info

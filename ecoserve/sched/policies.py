@@ -101,3 +101,5 @@ class TemporalDisaggregation(Policy):
         if step.chunks:
             return
         sched.schedule_running_all(list(sched.running), step)
+
+from ecoserve.sched import tdpipe  # noqa: E402,F401  (registers "tdpipe"; it builds on Policy above)

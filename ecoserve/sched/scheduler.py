@@ -39,6 +39,9 @@ class Scheduler:
         self._order: dict[str, int] = {}
         self._counter = itertools.count()
         self._finished_since_step: list[str] = []
+        # ids of requests in a batch that has been scheduled but not yet updated (batches in flight): they are
+        # neither scheduled again nor preempted until their result is back
+        self.in_flight: set[str] = set()
         self.num_preemptions_total = 0
         self._last_step_phase = "idle"  # "prefill" if the last non-empty step computed a prompt chunk, else "decode"
         self.last_phase_switch = self.created_at = clock.now()
@@ -116,6 +119,10 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- the mechanism policies use ------------------------------------------------------
+    def is_schedulable(self, req: Request) -> bool:
+        """Running and not in a batch in flight."""
+        return req.status is _RUNNING and req.request_id not in self.in_flight
+
     def schedule_running(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Give a running request its next tokens, preempting newer requests if KV runs out."""
         self.schedule_running_all((req,), step, max_tokens)
@@ -129,7 +136,7 @@ class Scheduler:
         once per request per step, so it uses locals and plain comparisons instead of min() and
         properties; a decode that fits its blocks costs one allocate_slots check and one add.
         """
-        running, kv, order = self.running, self.kv, self._order
+        running, kv, in_flight = self.running, self.kv, self.in_flight
         allocate, add, caching = kv.allocate_slots, step.add, kv.enable_prefix_caching
         preempted = step.num_preempted
         for req in reqs:
@@ -138,6 +145,8 @@ class Scheduler:
                 break  # a full step stays full: only preemption frees budget, and that needs a request scheduled
             if step.num_preempted != preempted and req not in running:
                 continue  # preempted for an older request earlier in this loop
+            if in_flight and req.request_id in in_flight:
+                continue  # its last batch has not come back yet
             n = len(req.all_token_ids) - req.num_computed_tokens
             if budget < n:
                 n = budget
@@ -146,7 +155,9 @@ class Scheduler:
             if n <= 0:
                 continue
             while not allocate(req, n):
-                victim = max(running, key=lambda r: order[r.request_id])
+                victim = self._preemption_victim()
+                if victim is None:
+                    break  # everything else is in flight: wait for it
                 self.preempt(victim, step)
                 if victim is req:
                     break
@@ -154,6 +165,12 @@ class Scheduler:
                 add(req, n)
                 if caching:
                     kv.cache_blocks(req, req.num_computed_tokens + n)
+
+    def _preemption_victim(self) -> Request | None:
+        """The newest running request that is not in a batch in flight."""
+        order, in_flight = self._order, self.in_flight
+        candidates = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
+        return max(candidates, key=lambda r: order[r.request_id]) if candidates else None
 
     def admit(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Move a waiting request into running with its first chunk, if the seat, budget and KV allow."""
@@ -194,6 +211,7 @@ class Scheduler:
         step = StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.policy.schedule(self, step)
         chunks = tuple(step.chunks.values())
+        self.in_flight.update(step.chunks)
         if chunks:
             phase = "prefill" if step.has_prefill else "decode"
             if phase != self._last_step_phase:
@@ -216,8 +234,10 @@ class Scheduler:
         now = self.clock.now()
         done = []
         sampled = result.sampled
+        in_flight = self.in_flight
         for chunk in output.chunks:
             req = chunk.request
+            in_flight.discard(req.request_id)
             if req.status is not _RUNNING:
                 continue  # finished (aborted) or preempted while the step ran
             req.num_computed_tokens += chunk.num_tokens

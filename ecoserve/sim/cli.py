@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    import ecoserve.sim.tdpipe_experiment  # noqa: F401  (registers the "tdpipe" experiment)
     from ecoserve.sim.experiments import EXPERIMENTS
     from ecoserve.sim.hardware import GPUS, LINKS
     from ecoserve.sim.models import MODELS
