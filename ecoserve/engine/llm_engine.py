@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,10 +114,14 @@ class LLMEngine:
                                     ) if self.tokenizer is not None else None
         if parallel.world_size == 1:
             loaded.model.ensure_positions(self.max_model_len)
-            self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed, self.guided)
+            self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed)
         else:
             from ecoserve.distributed.launch import start_workers
             self.executor = start_workers(config, loaded, num_blocks, self.max_model_len)
+        # Submitted batches, oldest first, with their futures: up to max_concurrent_batches (pp by default) run at
+        # once; the scheduler's in-flight set keeps their requests out of later batches until each result is back.
+        self.max_in_flight = parallel.batches_in_flight
+        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
@@ -172,9 +177,6 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
     def validate_params(self, params: SamplingParams) -> SamplingParams:
-        if params.structured_outputs is not None and self.config.parallel.world_size > 1:
-            # The ranks' runners hold no grammar matchers: refuse rather than sample unconstrained.
-            raise ValueError("structured outputs are not supported with tensor or pipeline parallelism yet")
         return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -233,20 +235,31 @@ class LLMEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        """Requests not finished, or batches still in flight (e.g. of requests aborted meanwhile)."""
+        return bool(self._parents or self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns one delta output per request that got new tokens or finished."""
-        out = self.scheduler.schedule()
-        self.last_step_empty = out.is_empty
-        if out.is_empty:
+        """Submit batches while fewer than max_concurrent_batches are in flight and the scheduler has work, then
+        take the oldest batch's result; returns one delta output per request that got new tokens or finished.
+
+        With one batch in flight (the default without pipeline parallelism) this is schedule, run, update.
+        """
+        in_flight = self._in_flight
+        while len(in_flight) < self.max_in_flight:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                break
+            in_flight.append((out, self.executor.submit(out, self._grammar_masks(out))))
+        self.last_step_empty = not in_flight
+        if not in_flight:
             self.flush_finished()
             return []
-        result = self.executor.execute(out)
+        out, future = in_flight.popleft()
+        result = future.result()  # raises if a rank died or stalled: the engine is dead then
         self.scheduler.update(out, result)
         touched: dict[str, _Parent] = {}
         for chunk in out.chunks:
@@ -273,6 +286,13 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             self.flush_finished()
         return outputs
+
+    def _grammar_masks(self, out: SchedulerOutput):
+        """Bitmasks of the batch's constrained sampling rows, from matchers that have seen every earlier token."""
+        guided = self.guided
+        if guided is None or not len(guided):
+            return None
+        return guided.masks([c.request.request_id for c in out.chunks if c.samples])
 
     def _forget(self, parent: _Parent) -> None:
         for c in parent.children:
