@@ -100,6 +100,19 @@ class MultiprocExecutor:
             self._drain(timeout=0)
         return step_id not in self._acks
 
+    def check(self) -> None:
+        """Raise a WorkerError if a rank has exited, or has not beaten for a step's deadline; never blocks.
+
+        Lets an idle instance notice a lost rank (a busy one notices in its next wait).
+        """
+        self._check()
+        self._drain(timeout=0)
+        now = time.monotonic()
+        stalled = [r for r in range(self.topology.world_size) if now - self._heartbeats[r] > self.step_timeout_s]
+        if stalled:
+            self._fail(WorkerError("workers stopped responding: " + ", ".join(
+                f"{self.topology.describe(r)} (no heartbeat for {now - self._heartbeats[r]:.1f} s)" for r in stalled)))
+
     # ---- receiving, with deadlines --------------------------------------------------------
     def _collect(self, step_id: int, deadline: float, what: str) -> None:
         while step_id in self._acks:

@@ -95,7 +95,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or loaded.max_model_len
         block_size = config.cache.block_size
-        per_token = self._kv_bytes_per_token()
+        per_token = self.kv_bytes_per_token()
         # Default budget: 1 GiB, or less when even max_num_seqs requests at max_model_len need less.
         budget = config.cache.kv_cache_memory_bytes or min(
             DEFAULT_CPU_KV_BYTES, per_token * self.max_model_len * config.scheduler.max_num_seqs)
@@ -127,7 +127,7 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.last_step_empty = False  # the last step() found nothing it could schedule
 
-    def _kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self) -> int:
         """KV bytes per token on the most loaded rank (the budget is per rank; blocks are the same on all)."""
         config, spec = self.config, self.loaded.spec
         parallel = config.parallel
@@ -141,6 +141,12 @@ class LLMEngine:
         kv_heads = HeadShard.of(spec, parallel.tensor_parallel_size, 0).num_kv_heads
         dtype = resolve_dtype(config.dtype, config.device, spec.torch_dtype)
         return max(PagedKVCache.bytes_per_token(len(r), kv_heads, spec.head_dim, dtype) for r in stages)
+
+    def check(self) -> None:
+        """Raise the executor's error if a rank of a parallel instance has died or stalled, even while idle."""
+        check = getattr(self.executor, "check", None)
+        if check is not None:
+            check()
 
     def shutdown(self) -> None:
         """Stop the worker processes of a parallel instance (nothing to do in-process)."""
