@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -108,7 +108,11 @@ class LLMEngine:
                     "%.2fx", num_blocks, block_size, capacity, capacity * per_token / 2**20, self.max_model_len,
                     capacity / self.max_model_len)
         self.num_kv_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.clock, self.max_model_len)
+        sched_config = config.scheduler
+        if sched_config.tdpipe.num_stages is None and parallel.pipeline_parallel_size > 1:  # tdpipe: the real stages
+            sched_config = replace(sched_config, tdpipe=replace(sched_config.tdpipe,
+                                                                num_stages=parallel.pipeline_parallel_size))
+        self.scheduler = Scheduler(sched_config, config.cache, num_blocks, self.clock, self.max_model_len)
         # Matchers of constrained sequences live here, in the engine's process (also in a cluster instance).
         self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids))
                                     ) if self.tokenizer is not None else None

@@ -112,3 +112,16 @@ def test_two_batches_in_flight_equal_one(llama):
     assert preemptions > 0
     assert two == one  # every request's deltas, in the order they streamed
     assert [sum(two[str(i)], []) for i in range(0, len(reference), 2)] == [o.token_ids for o in reference[::2]]
+
+
+def test_tdpipe_on_pp2_equals_single_engine(llama):
+    """The tdpipe policy on a real PP=2 engine: it plans with the engine's 2 stages; greedy tokens unchanged."""
+    path, reference = llama
+    llm = LLM(str(path), **{**TIGHT, "pipeline_parallel_size": 2, "scheduling_policy": "tdpipe"})
+    try:
+        assert llm.llm_engine.scheduler.config.tdpipe.num_stages == 2
+        params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=1, temperature=0.0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in mixed_prompts()], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert_same([o.outputs[0] for o in outs], reference)
