@@ -179,9 +179,10 @@ def _figures(system: str, wl: Workload, elapsed: float, startup: float | None = 
 def compare_setups(model: str, wl: Workload, args: argparse.Namespace, setups: list[EngineSetup]) -> list[Figures]:
     """Each setup `args.repeat` times, interleaved (a shared machine's load hits all alike); medians of time."""
     runs: dict[EngineSetup, list[Figures]] = {s: [] for s in setups}
-    for _ in range(args.repeat):
+    for k in range(args.repeat):
         for s in setups:
             runs[s].append(run_ecoserve(model, wl, args, s))
+            print(f"round {k + 1}: {s.name} {runs[s][-1].elapsed_s:.1f} s", flush=True)
     return [sorted(rs, key=lambda r: r.elapsed_s)[len(rs) // 2] for rs in runs.values()]
 
 
