@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import replace
 from multiprocessing.connection import wait
 
-from ecoserve.distributed.comm import Topology, free_port
+from ecoserve.distributed.comm import Topology
 from ecoserve.distributed.step import StepInputBuilder
 from ecoserve.distributed.worker import HEARTBEAT_INTERVAL_S, StepDone, WorkerFailed, WorkerSpec, worker_main
 from ecoserve.sched.interface import SchedulerOutput, StepResult

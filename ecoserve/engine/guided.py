@@ -142,7 +142,7 @@ class GuidedDecoder:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def masks(self, request_ids: Sequence[str]) -> "GrammarMasks | None":
+    def masks(self, request_ids: Sequence[str]) -> GrammarMasks | None:
         """The allowed-token bitmasks of the constrained ones among `request_ids` (None if there are none).
 
         Computed when a batch is submitted, from matchers that have taken every token sampled so
