@@ -5,8 +5,8 @@ and caches it by the spec's key, so the engine loop never waits for a new gramma
 queues a request once its grammar is ready). `GuidedDecoder` keeps each constrained
 sequence's matcher, computes the bitmasks of a batch's constrained rows when the batch is
 submitted (`GrammarMasks`: the runner applies them before sampling; rows without a matcher are
-untouched and cost nothing) and advances the matcher with the sampled token. The matcher only ever moves on
-sampled tokens, so a recompute after preemption leaves it where it was.
+untouched and cost nothing) and advances the matcher with the sampled token. The matcher only
+ever moves on sampled tokens, so a recompute after preemption leaves it where it was.
 """
 from __future__ import annotations
 
