@@ -48,6 +48,7 @@ class EngineConfig:
     model: str | None = None  # local dir, hub id or .gguf path; None: the embedded default
     tokenizer: str | None = None
     dtype: str = "auto"  # auto (float32 on CPU) | float32 | bfloat16 | float16
+    quantization: str | None = None  # None/auto: GGUF stays quantized on CPU | none | gguf | int8 (Q8_0 weights)
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
@@ -58,3 +59,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
               f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        _need(self.quantization in (None, "auto", "none", "gguf", "int8"),
+              f"quantization must be one of auto, none, gguf, int8; got {self.quantization!r}")

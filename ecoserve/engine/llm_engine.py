@@ -60,7 +60,7 @@ class LLMEngine:
             tune_allocator()
         self.clock = clock or WallClock()
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, revision=config.revision,
-                            tokenizer=config.tokenizer)
+                            tokenizer=config.tokenizer, quantization=config.quantization)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer

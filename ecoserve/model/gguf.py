@@ -2,7 +2,9 @@
 
 Weights are dequantized to float32 (exact for every GGUF quant type), renamed from llama.cpp
 names to HF names, and llama.cpp's q/k row permutation (for its interleaved rotary) undone.
-Conversions are cached by file name, size and mtime; see `cached_conversion`.
+Conversions are cached by file name, size and mtime; see `cached_conversion`. With quantized
+weights (`--quantization gguf`) only config and tokenizer are converted; the weights are read
+from the GGUF file as stored blocks (`gguf_weight_types`, `gguf_tensors(keep_quantized=...)`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,35 +94,106 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
-def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight of the GGUF file."""
+def gguf_weight_types(reader: Any, config: dict[str, Any]) -> dict[str, int]:
+    """Model module name -> GGML type, for the modules whose GGUF tensors can stay quantized.
+
+    A fused module (qkv_proj, gate_up_proj) qualifies when all its tensors share one supported type;
+    a tied lm_head follows the embedding.
+    """
+    from ecoserve.model.quant import QUANT_TYPES, module_of
+
+    per_module: dict[str, set[int]] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is not None and name.endswith(".weight") and not name.endswith("norm.weight"):
+            per_module.setdefault(module_of(name), set()).add(int(t.tensor_type))
+    types = {m: ts.pop() for m, ts in per_module.items() if len(ts) == 1 and next(iter(ts)) in QUANT_TYPES}
+    if config["tie_word_embeddings"] and "embed_tokens" in types:
+        types["lm_head"] = types["embed_tokens"]
+    return types
+
+
+def gguf_tensors(reader: Any, config: dict[str, Any],
+                 keep_quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight of the GGUF file: float32, or the stored uint8 blocks
+    [rows, row_bytes] for tensors of the modules in `keep_quantized` (see `gguf_weight_types`)."""
     from gguf.quants import dequantize
+
+    from ecoserve.model.quant import module_of
 
     permute = config["model_type"] == "llama"
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        if module_of(name) in keep_quantized and name.endswith(".weight"):
+            w = t.data.reshape(int(t.shape[-1]), -1)  # blocks along each row; q/k rows permute like floats
+        else:
+            w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         if permute and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
             w = _unpermute(w, config[key])
-        yield name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        yield name, torch.from_numpy(np.require(w, w.dtype if w.dtype == np.uint8 else np.float32, ["C", "W"]))
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write a HF-format directory (config, model.safetensors, tokenizer, generation_config) from a GGUF."""
+def read_gguf(gguf_path: str | Path) -> Any:
     from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf_path)
+    except Exception as e:
+        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {e}") from None
+
+
+TENSOR_INDEX = "gguf_tensors.json"  # where each tensor lies in the GGUF file, written by the conversion
+
+
+@dataclass(frozen=True)
+class IndexedTensor:
+    """The parts of gguf's ReaderTensor that loading uses, read from TENSOR_INDEX without parsing the
+    file's metadata (GGUFReader spends seconds on the tokenizer arrays)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: innermost dimension first
+    data: np.ndarray  # a read-only memmap of the stored bytes
+
+
+@dataclass(frozen=True)
+class IndexedGGUF:
+    tensors: list[IndexedTensor]
+
+
+def _write_tensor_index(reader: Any, out_dir: Path) -> None:
+    index = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
+              "offset": int(t.data_offset), "dtype": t.data.dtype.str, "data_shape": list(t.data.shape)}
+             for t in reader.tensors]
+    (out_dir / TENSOR_INDEX).write_text(json.dumps(index))
+
+
+def indexed_gguf(gguf_path: Path, converted: Path) -> IndexedGGUF:
+    """The GGUF's tensors as memmaps, located by the conversion's tensor index."""
+    from gguf import GGMLQuantizationType
+
+    tensors = [IndexedTensor(e["name"], GGMLQuantizationType(e["type"]), tuple(e["shape"]),
+                             np.memmap(gguf_path, dtype=np.dtype(e["dtype"]), mode="r", offset=e["offset"],
+                                       shape=tuple(e["data_shape"])))
+               for e in json.loads((converted / TENSOR_INDEX).read_text())]
+    return IndexedGGUF(tensors)
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, weights: bool = True) -> Path:
+    """Write a HF-format directory (config, model.safetensors, tokenizer, generation_config) from a GGUF;
+    without `weights`, everything but model.safetensors (for quantized loading from the GGUF itself)."""
     from safetensors.torch import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    try:
-        reader = GGUFReader(gguf_path)
-    except Exception as e:
-        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {e}") from None
+    reader = read_gguf(gguf_path)
     config = gguf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(dict(gguf_tensors(reader, config)), out_dir / "model.safetensors", metadata={"format": "pt"})
+    _write_tensor_index(reader, out_dir)
+    if weights:
+        save_file(dict(gguf_tensors(reader, config)), out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
@@ -145,21 +219,24 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ecoserve"
 
 
-def cached_conversion(gguf_path: str | Path) -> Path:
-    """The converted directory of `gguf_path`, converting on first use.
+def cached_conversion(gguf_path: str | Path, weights: bool = True) -> Path:
+    """The converted directory of `gguf_path`, converting on first use (without `weights`: config and
+    tokenizer only, in a `-meta` folder, unless the full conversion already exists).
 
     Concurrent first uses each convert into a private temp dir and rename it into place; the
     first rename wins and the others discard their copy, so readers never see a partial dir.
     """
     gguf_path = Path(gguf_path).resolve()
     st = gguf_path.stat()
-    target = cache_root() / "gguf" / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
-    if (target / "config.json").is_file():
-        return target
+    full = cache_root() / "gguf" / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    target = full if weights else full.with_name(full.name + "-meta")
+    for ready in (full, target):  # conversions older than the tensor index serve float loading only
+        if (ready / "config.json").is_file() and (weights or (ready / TENSOR_INDEX).is_file()):
+            return ready
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf_path, tmp) if weights else convert_gguf(gguf_path, tmp, weights=False)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race

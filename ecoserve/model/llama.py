@@ -84,12 +84,12 @@ class LlamaModel(nn.Module):
         return self.spec.head_dim
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+    def dtype(self) -> torch.dtype:  # of activations and KV cache (quantized weights are uint8)
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def ensure_positions(self, num_positions: int) -> None:
         """Grow the rotary tables so positions [0, num_positions) are valid (default: max_position_embeddings)."""

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ecoserve.model.quant import (QUANTIZATIONS, describe_weights, quantize_linears_int8, quantize_model_modules,
+                                  weight_bytes)
 from ecoserve.model.registry import get_model_class
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 
@@ -33,6 +35,7 @@ class LoadedModel:
     max_model_len: int = 0
     name: str = ""  # what the user passed; the served model name
     path: Path = Path()
+    quantization: str | None = None  # "gguf" | "int8" | None (float weights)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
@@ -120,17 +123,65 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def build_model(spec: ModelSpec, path: Path, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """Allocate the model once in `dtype` on `device` and copy the checkpoint tensors into it."""
+def build_model(spec: ModelSpec, path: Path, dtype: torch.dtype, device: str | torch.device,
+                weights: Iterator[tuple[str, torch.Tensor]] | None = None,
+                quantized: dict[str, int] | None = None) -> torch.nn.Module:
+    """Allocate the model once in `dtype` on `device` and copy the checkpoint tensors into it.
+
+    `weights` defaults to the safetensors under `path`; `quantized` names the modules that hold
+    GGUF blocks instead (module name -> GGML type, see ecoserve.model.quant).
+    """
     cls = get_model_class(spec.architecture)
     with torch.device("meta"):
         model = cls(spec, dtype)
+        if quantized:
+            quantize_model_modules(model, quantized)
     model = model.to_empty(device=device)
     if spec.tie_word_embeddings:  # to_empty re-creates parameters, so tie again
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.build(spec.max_position_embeddings, device)
-    model.load_weights(iter_safetensors(safetensors_files(path)))
+    model.load_weights(weights if weights is not None else iter_safetensors(safetensors_files(path)))
     return model.eval().requires_grad_(False)
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The .gguf file `model` names (None: the embedded default), or None for other models."""
+    if model is None:
+        from ecoserve.model.default import default_gguf_path
+        return default_gguf_path()
+    if not model.endswith(".gguf"):
+        return None
+    if not Path(model).expanduser().is_file():
+        raise ModelLoadError(f"GGUF file {model} does not exist")
+    return Path(model).expanduser()
+
+
+def resolve_quantization(quantization: str | None, dtype: str | torch.dtype, is_gguf: bool, device: str) -> str | None:
+    """None/'auto': GGUF files on CPU stay quantized unless a dtype is asked for (`--dtype float32`
+    dequantizes as before); 'none' never quantizes; 'gguf' and 'int8' as asked."""
+    if quantization in (None, "auto"):
+        return "gguf" if is_gguf and dtype == "auto" and torch.device(device).type == "cpu" else None
+    if quantization == "none":
+        return None
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of auto, none, {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf needs a .gguf model; use --quantization int8 for other checkpoints")
+    if dtype not in ("auto", "float32", torch.float32) or torch.device(device).type != "cpu":
+        raise ValueError(f"quantized weights run on CPU with float32 activations; got dtype {dtype}, device {device}")
+    return quantization
+
+
+def _load_gguf_quantized(gguf_path: Path, device: str) -> tuple[Path, ModelSpec, torch.nn.Module]:
+    """Config and tokenizer from the cached conversion; weights straight from the GGUF file's blocks."""
+    from ecoserve.model.gguf import cached_conversion, gguf_tensors, gguf_weight_types, indexed_gguf
+
+    path = cached_conversion(gguf_path, weights=False)
+    spec = ModelSpec.from_dir(path)
+    reader = indexed_gguf(gguf_path, path)
+    types = gguf_weight_types(reader, spec.raw)
+    weights = gguf_tensors(reader, spec.raw, keep_quantized=frozenset(types))
+    return path, spec, build_model(spec, path, torch.float32, device, weights=weights, quantized=types)
 
 
 def load_tokenizer(source: str | Path, revision: str | None = None):
@@ -159,16 +210,27 @@ def _ids(value: Any) -> set[int]:
 
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               revision: str | None = None, tokenizer: str | None = None) -> LoadedModel:
-    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded)."""
+               revision: str | None = None, tokenizer: str | None = None,
+               quantization: str | None = None) -> LoadedModel:
+    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded).
+
+    `quantization`: see `resolve_quantization` (GGUF files stay quantized by default on CPU).
+    """
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
-    path = resolve_model_path(model, revision)
-    spec = ModelSpec.from_dir(path)
-    torch_dtype = resolve_dtype(dtype, device, spec.torch_dtype)
+    source = gguf_file(model)
+    quantization = resolve_quantization(quantization, dtype, source is not None, device)
+    if quantization == "gguf":
+        path, spec, net = _load_gguf_quantized(source, device)
+    else:
+        path = resolve_model_path(model, revision)
+        spec = ModelSpec.from_dir(path)
+        net = build_model(spec, path, resolve_dtype(dtype, device, spec.torch_dtype), device)
+        if quantization == "int8":
+            quantize_linears_int8(net)
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
                        "differ from the reference past that length", spec.architecture, spec.sliding_window)
-    net = build_model(spec, path, torch_dtype, device)
+    logger.info("model weights: %.1f MiB in memory (%s)", weight_bytes(net) / 2**20, describe_weights(net))
     tok = load_tokenizer(tokenizer or path, revision if tokenizer else None)
     generation = _read_json(path / "generation_config.json")
     eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id")) | _ids(tok.eos_token_id)
@@ -180,4 +242,4 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
         name = model
     return LoadedModel(model=net, tokenizer=tok, spec=spec, eos_token_ids=frozenset(eos),
                        generation_defaults=defaults, max_model_len=spec.max_position_embeddings,
-                       name=name, path=path)
+                       name=name, path=path, quantization=quantization)
