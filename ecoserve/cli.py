@@ -9,9 +9,9 @@ import sys
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF dir, hub id or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "int8"],
-                   help="weight-only quantization on CPU (default auto: a .gguf model keeps its Q4_0/Q4_1/Q8_0 "
-                        "blocks unless --dtype float32 is given; int8: Q8_0 weights for HF checkpoints)")
+    p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"],
+                   help="weight-only quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model "
+                        "keeps its Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints")
     p.add_argument("--scheduling-policy", default="chunked")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -21,6 +21,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks per pipeline stage")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--pp-layer-partition", default=None,
+                   help="layers per stage, e.g. 12,11 (default: floor(L/pp) each, the remainder to the stages "
+                        "before the last, which also runs the LM head)")
+    p.add_argument("--max-concurrent-batches", type=int, default=None,
+                   help="batches in flight (default: the pipeline parallel size)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -28,7 +35,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
-                num_threads=args.num_threads, seed=args.seed)
+                num_threads=args.num_threads, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size, pp_layer_partition=args.pp_layer_partition,
+                max_concurrent_batches=args.max_concurrent_batches)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -64,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from ecoserve.bench import latency, throughput
+    from ecoserve.bench import latency, structured, throughput
     throughput.add_parser(bench)
     latency.add_parser(bench)
+    structured.add_parser(bench)
     try:
         from ecoserve.bench import serve as bench_serve
         bench_serve.add_parser(bench)
@@ -77,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
         server_cli.add_parser(sub, _add_engine_args)
     except ImportError:
         pass
+    from ecoserve.live import cli as live_cli
+    live_cli.add_parser(sub, _add_engine_args)
     try:
         from ecoserve.sim import cli as sim_cli
         sim_cli.add_parser(sub)

@@ -29,7 +29,6 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
-    token_times: list[float] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -108,15 +107,77 @@ class Request:
 Logprobs = dict[int, float]  # token id -> logprob, for one position
 
 
-@dataclass
+@dataclass(eq=False)
+class OutputHistory:
+    """Everything one sample has emitted so far. Append-only, so an output is a snapshot of its lengths.
+
+    The engine keeps one per sample; a consumer that receives deltas from another process can
+    keep its own and build the same `CompletionOutput`s.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None
+    _pieces: list[str] = field(default_factory=list)
+    _text: str = ""  # the first `_num_joined` pieces, joined on demand
+    _num_joined: int = 0
+    num_chars: int = 0
+
+    def extend(self, token_ids: list[int], text: str, logprobs: list[Logprobs] | None) -> None:
+        self.token_ids.extend(token_ids)
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
+        if text:
+            self._pieces.append(text)
+            self.num_chars += len(text)
+
+    def text(self, num_chars: int) -> str:
+        """The first `num_chars` characters emitted; joins only the pieces added since the last call."""
+        if self._num_joined < len(self._pieces):
+            self._text += "".join(self._pieces[self._num_joined:])
+            self._num_joined = len(self._pieces)
+        return self._text[:num_chars]
+
+
+@dataclass(eq=False)
 class CompletionOutput:
+    """One sample's output after one step: what is new (`new_*`), and cumulative views built on demand.
+
+    Each step costs O(new tokens): `text`, `token_ids` and `logprobs` are computed only when read,
+    from the sample's `OutputHistory` cut at the lengths it had when this output was made.
+    """
+
     index: int
-    text: str
-    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[Logprobs] | None
+    new_logprobs: list[Logprobs] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    history: OutputHistory | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.history is None:  # a standalone output: its deltas are all there is
+            self.history = OutputHistory()
+            self.history.extend(self.new_token_ids, self.new_text, self.new_logprobs)
+        self.num_tokens = len(self.history.token_ids)
+        self._num_chars = self.history.num_chars
+        self._num_logprobs = None if self.history.logprobs is None else len(self.history.logprobs)
+
+    @property
+    def text(self) -> str:
+        return self.history.text(self._num_chars)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.history.token_ids[:self.num_tokens]
+
+    @property
+    def logprobs(self) -> list[Logprobs] | None:
+        if self._num_logprobs is None:
+            return None
+        return self.history.logprobs[:self._num_logprobs]
 
     @property
     def finished(self) -> bool:
@@ -136,7 +197,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """Shaped like vLLM's RequestOutput."""
+    """Shaped like vLLM's RequestOutput. `prompt_logprobs` is the engine's own list, shared rather than copied
+    each step; it is complete once the prompt has been computed."""
 
     request_id: str
     prompt: str | None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ecoserve.structured import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -27,8 +29,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # A JSON schema, regex, choice list or grammar the output must match (plain data: see ecoserve.structured).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # as deserialized from a message
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -69,6 +79,13 @@ class SamplingParams:
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
 
+        need(self.logit_bias is None or all(
+            isinstance(k, int) and k >= 0 and isinstance(v, (int, float)) and -100 <= v <= 100
+            for k, v in self.logit_bias.items()),
+            "logit_bias", "a map of token ids (>= 0) to biases in [-100, 100]", self.logit_bias)
+        need(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -76,6 +93,11 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_processing(self) -> bool:
+        """True when the logits row must be edited before the argmax (penalties or a bias)."""
+        return self.needs_penalties or bool(self.logit_bias)
 
     def clone(self, **changes) -> "SamplingParams":
         from dataclasses import replace

@@ -144,7 +144,7 @@ def workload(a: argparse.Namespace):
 def run_sim(a: argparse.Namespace, profile: Path) -> dict:
     from ecoserve.config import SchedulerConfig
     from ecoserve.sim.cluster import ClusterSpec
-    from ecoserve.sim.strategies import build
+    from ecoserve.sim.cluster import build
 
     sc = SchedulerConfig()  # the server's defaults: chunked policy, 2048-token budget, 256 seats
     spec = ClusterSpec(model=a.model_dir, gpu="L20", tp=1, num_instances=1, profile=str(profile),

@@ -1,9 +1,14 @@
-"""Baseline routers: NoDG (replicas behind a load balancer) and FuDG (prefill -> KV -> decode)."""
+"""The baselines' routers and controllers: NoDG (replicas behind a load balancer), FuDG (prefill -> KV -> decode)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ecoserve.clock import Clock
+from ecoserve.cluster.controller import ControllerBase, StatusBoard
+from ecoserve.cluster.events import (STAGING, Action, Dispatch, InstanceSetup, PrefillDone, RequestArrived,
+                                     TransferDone, TransferKV)
 from ecoserve.cluster.status import InstanceStatus
 
 StatusOf = Callable[[int], InstanceStatus]
@@ -57,3 +62,90 @@ class FuDGRouter:
         """The decode instance with most free KV, or None if none has room for `kv_tokens`."""
         best = max(self.decode, key=lambda i: (status_of(i).free_kv_tokens, -i))
         return best if status_of(best).free_kv_tokens >= kv_tokens else None
+
+
+class NoDGController(ControllerBase):
+    """Replicas that prefill and decode their own requests (vLLM: prefill_first; Sarathi: chunked)."""
+
+    def __init__(self, clock: Clock, board: StatusBoard, instances: list[int], policy: str = "prefill_first",
+                 balance: str = "round_robin", max_num_batched_tokens: int | None = None) -> None:
+        super().__init__(clock, board, {i: InstanceSetup("both", policy, max_num_batched_tokens) for i in instances})
+        self.router = NoDGRouter(list(instances), balance)
+
+    def on_arrival(self, req: RequestArrived) -> list[Action]:
+        return [Dispatch(req.request_id, self.router.route(self.board), req.max_tokens)]
+
+    def _joined(self, e):
+        if e.instance_id not in self.router.instances:
+            self.router.instances.append(e.instance_id)
+        return super()._joined(e)
+
+    def on_instance_lost(self, instance_id: int) -> None:
+        if instance_id in self.router.instances:
+            self.router.instances.remove(instance_id)
+        if not self.router.instances:
+            raise RuntimeError("every instance was lost")
+
+
+class FuDGController(ControllerBase):
+    """Prefill instances produce the first token, the KV goes to the decode side, a decode instance goes on.
+
+    The KV leaves over the prefill instance's link into the decode side's staging buffer
+    (`STAGING`); the decode instance is chosen when the KV is there and one has room (FIFO, the
+    head blocks). `kv_path` tells the driver which link carries it: "intra_node" (DistServe) or
+    "inter_node" (MoonCake).
+    """
+
+    def __init__(self, clock: Clock, board: StatusBoard, num_prefill: int, num_decode: int,
+                 kv_bytes_per_token: float, kv_path: str = "inter_node", decode_budget: int = 1 << 15) -> None:
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError(f"FuDG needs at least one prefill and one decode instance, got "
+                             f"{num_prefill}P:{num_decode}D")
+        if kv_path not in ("intra_node", "inter_node"):
+            raise ValueError(f"kv_path must be 'intra_node' or 'inter_node', got {kv_path!r}")
+        n = num_prefill + num_decode
+        setups = {i: InstanceSetup("prefill", "prefill_first") for i in range(num_prefill)}
+        setups.update({i: InstanceSetup("decode", "prefill_first", decode_budget) for i in range(num_prefill, n)})
+        super().__init__(clock, board, setups)
+        self.router = FuDGRouter(list(range(num_prefill)), list(range(num_prefill, n)))
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_path = kv_path
+        self.staged: deque[str] = deque()  # KV on the decode side, waiting for a decode instance
+        self.transferred_bytes = 0.0
+
+    def on_arrival(self, req: RequestArrived) -> list[Action]:
+        return [Dispatch(req.request_id, self.router.route_prefill(self.board), 1)]
+
+    def on_prefill_done(self, e: PrefillDone) -> list[Action]:
+        nbytes = e.num_tokens * self.kv_bytes_per_token
+        self.transferred_bytes += nbytes
+        return [TransferKV(e.request_id, e.instance_id, STAGING, e.num_tokens, nbytes)]
+
+    def on_transfer_done(self, e: TransferDone) -> list[Action]:
+        self.staged.append(e.request_id)
+        return self._place()
+
+    def on_step(self, instance_id: int) -> list[Action]:
+        return self._place() if self.staged and instance_id in self.router.decode else []
+
+    def _place(self) -> list[Action]:
+        acts: list[Action] = []
+        while self.staged:
+            req = self.requests.get(self.staged[0])
+            if req is None:  # aborted meanwhile
+                self.staged.popleft()
+                continue
+            iid = self.router.route_decode(self.board, req.prompt_len + req.max_tokens)
+            if iid is None:
+                break
+            self.staged.popleft()
+            acts.append(Dispatch(req.request_id, iid, req.max_tokens - 1, imported_tokens=req.prompt_len))
+        return acts
+
+    def on_instance_lost(self, instance_id: int) -> None:
+        for group in (self.router.prefill, self.router.decode):
+            if instance_id in group:
+                group.remove(instance_id)
+                if not group:
+                    raise RuntimeError(f"FuDG lost its last {'prefill' if group is self.router.prefill else 'decode'}"
+                                       f" instance ({instance_id})")

@@ -7,6 +7,10 @@ the actions the driver must carry out. Two drivers run the same controllers: `ec
 over ZeroMQ on the wall clock). Instances are named by integer ids the driver assigns.
 
 Messages are frozen dataclasses so that a driver can log, compare and replay them.
+
+Added with issue 8 (nothing renamed or removed): `InstanceStepped`, `RequestFinished.ttft`,
+`STAGING` as a `TransferKV` destination, `InstanceSetup` (what each instance runs), and the
+meaning of `Dispatch.imported_tokens` for the decode leg.
 """
 from __future__ import annotations
 
@@ -32,6 +36,17 @@ class InstanceReported:
     """A fresh status from one instance (the live driver overlays dispatches sent since it)."""
 
     status: InstanceStatus
+
+
+@dataclass(frozen=True)
+class InstanceStepped:
+    """An instance finished a step, and the controller's status board already reads it fresh.
+
+    The simulator's board reads statuses on demand, so it sends this instead of shipping an
+    `InstanceReported` per step; a live driver sends `InstanceReported`. Controllers treat both alike.
+    """
+
+    instance_id: int
 
 
 @dataclass(frozen=True)
@@ -63,8 +78,11 @@ class TransferDone:
 
 @dataclass(frozen=True)
 class RequestFinished:
+    """The request produced its last token (the driver counts tokens over FuDG's two legs)."""
+
     request_id: str
     instance_id: int
+    ttft: float | None = None  # its TTFT as the client saw it (mitosis tracks the mean)
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,7 @@ class TimerFired:
     name: str  # a timer the controller asked for with `SetTimer`
 
 
-Event = Union[RequestArrived, InstanceReported, InstanceJoined, PrefillDone, TransferDone, RequestFinished,
+Event = Union[RequestArrived, InstanceReported, InstanceStepped, InstanceJoined, PrefillDone, TransferDone, RequestFinished,
               RequestAborted, InstanceLost, TimerFired]
 
 
@@ -96,7 +114,8 @@ class Dispatch:
     """Run the request on an instance, producing at most `max_tokens` output tokens.
 
     `imported_tokens` > 0: the request's first tokens' KV comes from a `TransferKV`; the instance
-    must not compute them (FuDG decode side).
+    must not compute them (FuDG decode side). Such a request continues after its first token:
+    its input is the prompt plus that token, and `max_tokens` counts what is still to come.
     """
 
     request_id: str
@@ -105,8 +124,13 @@ class Dispatch:
     imported_tokens: int = 0
 
 
+STAGING = -1  # a `TransferKV.dst`: the decode side's staging buffer; a later `Dispatch` names the instance
+
+
 @dataclass(frozen=True)
 class TransferKV:
+    """Ship a request's KV from `src` (over src's outgoing link) to `dst` or to `STAGING`."""
+
     request_id: str
     src: int
     dst: int
@@ -170,8 +194,24 @@ Action = Union[Dispatch, TransferKV, OpenWindow, CloseWindow, HoldOutput, Releas
                SetTimer]
 
 
+@dataclass(frozen=True)
+class InstanceSetup:
+    """What the driver must run on an instance: its scheduling policy and token budget."""
+
+    role: str  # "both" (NoDG, PaDG) | "prefill" | "decode" (FuDG)
+    policy: str  # a registered scheduling policy: prefill_first | chunked | temporal
+    max_num_batched_tokens: int | None = None  # None: the driver's default
+
+
 class ClusterController(Protocol):
-    """What every strategy's controller offers to both drivers."""
+    """What every strategy's controller offers to both drivers.
+
+    `setups` says what each instance id runs (the driver starts those instances);
+    `has_windows` is True where instances run router-commanded windows (PaDG).
+    """
+
+    setups: dict[int, InstanceSetup]
+    has_windows: bool
 
     def start(self) -> list[Action]:
         """Actions due before the first event (initial windows, timers)."""

@@ -37,7 +37,7 @@ class MitosisConfig:
 
 
 @dataclass(frozen=True)
-class Action:
+class TopologyChange:
     kind: str  # "add" | "split" | "drain" | "merge" | "release"
     macro: int
     instances: tuple[int, ...] = ()
@@ -59,9 +59,9 @@ class MitosisController:
     def _cooling(self, macro: int, now: float) -> bool:
         return now - self._last_action.get(macro, -1e18) < self.config.cooldown_s
 
-    def step(self, now: float, mean_ttft: dict[int, float], saved_tpot: dict[int, float | None]) -> list[Action]:
+    def step(self, now: float, mean_ttft: dict[int, float], saved_tpot: dict[int, float | None]) -> list[TopologyChange]:
         """One control decision per macro instance; returns the actions applied to the topology."""
-        actions: list[Action] = []
+        actions: list[TopologyChange] = []
         for m in sorted(self.macros):
             if m not in self.macros or self._cooling(m, now):
                 continue
@@ -80,23 +80,23 @@ class MitosisController:
                         self._last_action[a.other] = now
         return actions
 
-    def expand(self, m: int) -> list[Action]:
+    def expand(self, m: int) -> list[TopologyChange]:
         if not self.free:
             return []
         iid = self.free.pop(0)
         members = self.macros[m]
         if len(members) < self.config.n_upper:
             members.append(iid)
-            return [Action("add", m, (iid,))]
+            return [TopologyChange("add", m, (iid,))]
         new = self._next_macro
         self._next_macro += 1
         k = self.config.n_lower - 1
         moved = tuple(members[len(members) - k:]) if k else ()
         del members[len(members) - k:]
         self.macros[new] = [*moved, iid]
-        return [Action("split", m, (iid, *moved), other=new)]
+        return [TopologyChange("split", m, (iid, *moved), other=new)]
 
-    def contract(self) -> list[Action]:
+    def contract(self) -> list[TopologyChange]:
         nl = self.config.n_lower
         above = [m for m in self.macros if len(self.macros[m]) > nl]
         if above:
@@ -109,9 +109,9 @@ class MitosisController:
                 return []
         iid = self.macros[m].pop()
         self.draining.add(iid)
-        return [Action("drain", m, (iid,))] + self.merge_small()
+        return [TopologyChange("drain", m, (iid,))] + self.merge_small()
 
-    def merge_small(self) -> list[Action]:
+    def merge_small(self) -> list[TopologyChange]:
         acts = []
         while len(self.macros) > 1:
             a, b = sorted(self.macros, key=lambda k: (len(self.macros[k]), k))[:2]
@@ -119,14 +119,14 @@ class MitosisController:
                 break
             keep, gone = (a, b) if len(self.macros[a]) >= len(self.macros[b]) else (b, a)
             self.macros[keep].extend(self.macros.pop(gone))
-            acts.append(Action("merge", keep, (), other=gone))
+            acts.append(TopologyChange("merge", keep, (), other=gone))
         return acts
 
-    def release(self, instance_id: int) -> Action:
+    def release(self, instance_id: int) -> TopologyChange:
         """A drained instance has no requests left: back to the free pool."""
         self.draining.discard(instance_id)
         self.free.append(instance_id)
-        return Action("release", -1, (instance_id,))
+        return TopologyChange("release", -1, (instance_id,))
 
     def count(self) -> dict[str, int]:
         return {"active": sum(len(v) for v in self.macros.values()), "free": len(self.free),

@@ -1,24 +1,30 @@
-"""EcoServe's macro-instance router: Algorithm 1 with rolling activation (paper A6).
+"""EcoServe's macro-instance router: rolling activation over router-owned prefill windows (paper A6).
 
-Decisions the paper leaves open, as taken here:
-- Window: requests routed to an instance at or after its last prefill->decode switch (`t_switch`)
-  form the current prefill window; the paper says "arrival", and we use arrival *at the instance*
-  so that a request that waited in the router still counts in the window it joins.
-- Check (2) with no decoding request (an idle instance) passes: there is no TPOT to protect.
-  Decoding requests without a first token yet (e.g. preempted) carry no slack and are skipped.
-- Check (3) needs the prompt plus one token of KV, and keeps `kv_reserve_frac` of the instance's
-  KV free for the decoding requests' growth (the paper publishes no reserve).
-- Pending requests are retried FIFO whenever an instance reports; the head blocks the queue
-  (no overtaking), so a long prompt is not starved by short ones.
-- Statuses must include the router's own dispatches (the simulator's are always fresh; a live
-  provider overlays what it sent since the last report).
-- Slack (check 2) is each decoding request's lifetime slack, tokens x S_TPOT - (now - first token),
-  as the reference's Algorithm 1 writes it. `slack="phase"` is an experimental reading of the
-  paper's prose ("estimated over short intervals, accumulated per instance at each switch"): only
-  the slack banked since the instance's last prefill->decode switch counts (instances report each
-  request's token count at that switch). See docs/reproduction.md, "Slack and P99".
-- Fixed-interval routing (ablation, Figs. 15-16): every `interval` seconds, all pending requests
-  go to the next instance of the cycle, subject only to the memory check.
+The router owns the windows: when its cursor moves to an instance it opens that instance's
+window (`OpenWindow`; the window start is Algorithm 1's `t_switch`) and closes the previous one
+(`CloseWindow`). Two ways to decide when the cursor moves:
+
+- `mode="paper"` (default): our reading of Algorithm 1. Each request tries the instance that
+  took the previous one, then the rest of the cycle; a request that fits nowhere waits in the
+  router (FIFO, the head blocks). At instance I, for a request r:
+  (1) TTFT: max(time the window has been open, time r waited in the router) + the predicted
+      batched prefill of I's unprefilled prompts and r  <=  S_TTFT. The window's first request
+      has waited since the window opened, so no window outlasts S_TTFT (a timer closes it
+      then, and the cursor moves on to the next instance). A request that is late
+      already (its wait alone breaks the SLO) drops its own waiting term, and an instance with
+      no window open and nothing queued passes (1) for any prompt, so nothing waits forever.
+  (2) TPOT: the mean lifetime slack tokens x S_TPOT - (now - first token) of I's decoding
+      requests (routed before the window) covers that batched prefill (`slack` picks min/phase
+      ablations). No decoding request: passes.
+  (3) memory: prompt + 1 token of KV fits, keeping `kv_reserve_frac` of I's KV free.
+  (4) seats: I has a free seat (`max_num_seqs` minus running and queued requests).
+- `mode="reference"`: the authors' released scheduler (`reference.py`): one prefill instance at
+  a time, no router queue, integer milliseconds; a failed check switches unconditionally.
+- `mode="fixed_interval"` (ablation, Figs. 15-16): every `interval_frac x S_TTFT` the cursor moves
+  on and takes every pending request, subject only to memory.
+
+Output hold (`output_hold`; default on in reference mode only): the instance whose window is
+open holds its clients' tokens until the window closes or S_TTFT has passed since it opened.
 """
 from __future__ import annotations
 
@@ -27,35 +33,43 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from ecoserve.cluster.events import Action, CloseWindow, Dispatch, HoldOutput, OpenWindow, ReleaseOutput, SetTimer
+from ecoserve.cluster.profile import PrefillProfile
 from ecoserve.cluster.status import InstanceStatus
 
 StatusOf = Callable[[int], InstanceStatus]
+MODES = ("paper", "reference", "fixed_interval")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouterConfig:
     ttft_slo: float
     tpot_slo: float
-    slack: str = "mean"  # "mean" (paper) | "min" (ablation: protect each request) | "phase" (see saved_tpot)
+    mode: str = "paper"
+    slack: str = "mean"  # "mean" (paper) | "min" (ablation: protect each request) | "phase" (since the window)
     order: str = "cyclic"  # "cyclic" (paper) | "random" (ablation)
-    mode: str = "algorithm1"  # "algorithm1" | "fixed_interval" (ablation)
     interval_frac: float = 0.5  # fixed-interval period as a fraction of the TTFT SLO
     kv_reserve_frac: float = 0.05
+    output_hold: bool | None = None  # None: on in reference mode, off otherwise
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"router mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.slack not in ("mean", "min", "phase"):
             raise ValueError(f"slack must be 'mean', 'min' or 'phase', got {self.slack!r}")
         if self.order not in ("cyclic", "random"):
             raise ValueError(f"order must be 'cyclic' or 'random', got {self.order!r}")
-        if self.mode not in ("algorithm1", "fixed_interval"):
-            raise ValueError(f"mode must be 'algorithm1' or 'fixed_interval', got {self.mode!r}")
+
+    @property
+    def holds_output(self) -> bool:
+        return self.mode == "reference" if self.output_hold is None else self.output_hold
 
 
 @dataclass(frozen=True)
 class Check:
     ok: bool
-    reason: str  # "ok" | "ttft" | "tpot" | "memory"
+    reason: str  # "ok" | "ttft" | "tpot" | "memory" | "seats"
     window_prefill_time: float
     saved_tpot: float | None
 
@@ -64,22 +78,71 @@ class Check:
 class PendingRequest:
     request_id: str
     prompt_len: int
+    max_tokens: int
     queued_time: float
 
 
 class MacroInstance:
-    """Routes requests over a cycle of instances; requests that fit nowhere wait here."""
+    """A cycle of instances with one open window at a time; requests that fit nowhere wait here."""
 
-    def __init__(self, instance_ids: list[int], predict_prefill: Callable[[int], float], config: RouterConfig,
+    def __init__(self, instance_ids: list[int], profile: PrefillProfile, config: RouterConfig,
                  macro_id: int = 0) -> None:
         self.macro_id = macro_id
         self.instances: list[int] = list(instance_ids)
-        self.predict_prefill = predict_prefill
+        self.profile = profile
         self.config = config
         self.pending: deque[PendingRequest] = deque()
+        self.active: int | None = None  # the instance whose window is open
+        self.window_start: dict[int, float] = {}  # instance -> when the router last opened its window
+        self.window_routed: dict[int, list[tuple[int, int]]] = {}  # reference: (ms, blocks) routed in the window
         self._last = 0  # index in `instances` of the instance that took the previous request
+        self._held: int | None = None
+        self._num_opened = 0
         self._rng = random.Random(config.seed)
-        self._agg: dict[int, tuple[InstanceStatus, tuple]] = {}
+        self._agg: dict[int, tuple[InstanceStatus, float, tuple]] = {}
+
+    # ---- windows ---------------------------------------------------------------------------
+    def switch_to(self, iid: int, now: float) -> list[Action]:
+        """Close the open window (flushing held output) and open `iid`'s."""
+        if iid == self.active:
+            return []
+        acts = self._close_active()
+        self.active = iid
+        self.window_start[iid] = now
+        self.window_routed[iid] = []
+        self._num_opened += 1
+        acts.append(OpenWindow(iid))
+        if self.config.mode == "paper":  # check (1) admits nothing after S_TTFT: close it on time
+            acts.append(SetTimer(self.window_timer("close", iid), now + self.config.ttft_slo))
+        if self.config.holds_output:
+            self._held = iid
+            acts += [HoldOutput(iid), SetTimer(self.window_timer("release", iid), now + self.config.ttft_slo)]
+        return acts
+
+    def _close_active(self) -> list[Action]:
+        if self.active is None:
+            return []
+        acts: list[Action] = [CloseWindow(self.active)]
+        if self._held == self.active:
+            acts.append(ReleaseOutput(self.active))
+            self._held = None
+        self.active = None
+        return acts
+
+    def window_timer(self, kind: str, iid: int) -> str:
+        """A timer name for the current window: "release" (output hold) or "close" (paper mode)."""
+        return f"{kind}/{self.macro_id}/{iid}/{self._num_opened}"
+
+    def on_timer(self, name: str) -> list[Action]:
+        """S_TTFT since the window opened: stop holding its output; in paper mode, close it and move on."""
+        if self._held is not None and name == self.window_timer("release", self._held):
+            iid, self._held = self._held, None
+            return [ReleaseOutput(iid)]
+        if self.active is not None and name == self.window_timer("close", self.active):
+            if self.active in self.instances and self.instances:
+                self._last = (self.instances.index(self.active) + 1) % len(self.instances)
+            return self._close_active()
+        return []
 
     # ---- membership (mitosis) --------------------------------------------------------------
     def add_instance(self, instance_id: int) -> None:
@@ -88,60 +151,75 @@ class MacroInstance:
             raise ValueError(f"instance {instance_id} is already in macro instance {self.macro_id}")
         self.instances.insert(self._last + 1 if self.instances else 0, instance_id)
 
-    def remove_instance(self, instance_id: int) -> None:
+    def remove_instance(self, instance_id: int) -> list[Action]:
         """Stop routing to it (it drains elsewhere); keep the cycle position stable."""
         i = self.instances.index(instance_id)
         self.instances.pop(i)
         if i <= self._last:
             self._last = max(self._last - 1, 0)
         self._agg.pop(instance_id, None)
+        return self._close_active() if instance_id == self.active else []
 
-    # ---- Algorithm 1 ----------------------------------------------------------------------
+    def close(self) -> list[Action]:
+        """The macro instance is dissolved (merge): close its window."""
+        return self._close_active()
+
+    # ---- Algorithm 1, paper mode -------------------------------------------------------------
     def _aggregates(self, st: InstanceStatus) -> tuple:
+        start = self.window_start.get(st.instance_id, -1.0) if st.instance_id == self.active else float("inf")
         cached = self._agg.get(st.instance_id)
-        if cached is not None and cached[0] is st:
-            return cached[1]
-        cfg, window, n, sum_tok, sum_ft, min_term = self.config, 0.0, 0, 0, 0.0, float("inf")
-        sum_phase_tok, sum_phase_start = 0, 0.0
+        if cached is not None and cached[0] is st and cached[1] == start:
+            return cached[2]
+        tpot = self.config.tpot_slo
+        backlog, n, sum_tok, sum_ft, min_term, sum_phase_tok, sum_phase_start = 0, 0, 0, 0.0, float("inf"), 0, 0.0
         for q in st.requests:
-            if q.routed_time >= st.t_switch:
-                window += self.predict_prefill(q.prompt_len)
-            elif q.first_token_time is not None:
+            ft = q.first_token_time
+            if ft is None:
+                backlog += q.prompt_len  # runs before a new prompt (window or carried over)
+            elif q.routed_time < start:
                 n += 1
                 sum_tok += q.num_output_tokens
-                sum_ft += q.first_token_time
-                min_term = min(min_term, q.num_output_tokens * cfg.tpot_slo + q.first_token_time)
+                sum_ft += ft
+                term = q.num_output_tokens * tpot + ft
+                if term < min_term:
+                    min_term = term
                 sum_phase_tok += q.num_output_tokens - q.tokens_at_switch
-                sum_phase_start += max(q.first_token_time, st.t_switch)
-        agg = (window, n, sum_tok, sum_ft, min_term, sum_phase_tok, sum_phase_start)
-        self._agg[st.instance_id] = (st, agg)
+                sum_phase_start += max(ft, st.t_switch)
+        agg = (backlog, n, sum_tok, sum_ft, min_term, sum_phase_tok, sum_phase_start)
+        self._agg[st.instance_id] = (st, start, agg)
         return agg
 
     def saved_tpot(self, st: InstanceStatus, now: float) -> float | None:
+        """Check (2)'s slack of the instance's decoding requests (None: nothing decoding)."""
         _, n, sum_tok, sum_ft, min_term, sum_phase_tok, sum_phase_start = self._aggregates(st)
         if n == 0:
             return None
         if self.config.slack == "min":
             return min_term - now
-        if self.config.slack == "phase":
-            # Experimental reading of the paper's prose ("estimated over short intervals, accumulated
-            # per instance at each switch"): only slack banked since the instance's last
-            # prefill->decode switch counts, so old requests' lifetime slack cannot fund new windows.
+        if self.config.slack == "phase":  # only slack banked since the window opened
             return self.config.tpot_slo * sum_phase_tok / n - now + sum_phase_start / n
-        return self.config.tpot_slo * sum_tok / n - now + sum_ft / n  # mean of tokens*S_TPOT - (now - t_first)
+        return self.config.tpot_slo * sum_tok / n - now + sum_ft / n
 
     def memory_ok(self, st: InstanceStatus, prompt_len: int) -> bool:
         return prompt_len + 1 <= st.free_kv_tokens - self.config.kv_reserve_frac * st.total_kv_tokens
 
-    def check(self, st: InstanceStatus, prompt_len: int, now: float) -> Check:
-        window = self._aggregates(st)[0] + self.predict_prefill(prompt_len)
-        if window > self.config.ttft_slo:
-            return Check(False, "ttft", window, None)
+    def check(self, st: InstanceStatus, prompt_len: int, now: float, queued_time: float | None = None) -> Check:
+        cfg = self.config
+        backlog = self._aggregates(st)[0]
+        window = self.profile.batched(backlog + prompt_len)
+        open_for = now - self.window_start[st.instance_id] if st.instance_id == self.active else 0.0
+        waited = now - queued_time if queued_time is not None else 0.0
+        if waited + self.profile.batched(prompt_len) > cfg.ttft_slo:
+            waited = 0.0  # already late: its TTFT is lost, so only the window's own budget counts
+        if max(open_for, waited) + window > cfg.ttft_slo and (open_for > 0 or backlog > 0):
+            return Check(False, "ttft", window, None)  # an instance with nothing queued takes any prompt
         saved = self.saved_tpot(st, now)
         if saved is not None and saved < window:
             return Check(False, "tpot", window, saved)
         if not self.memory_ok(st, prompt_len):
             return Check(False, "memory", window, saved)
+        if st.free_seats < 1:
+            return Check(False, "seats", window, saved)
         return Check(True, "ok", window, saved)
 
     # ---- rolling activation ----------------------------------------------------------------
@@ -157,46 +235,51 @@ class MacroInstance:
             return [first] + rest
         return [(self._last + k) % n for k in range(n)]
 
-    def try_route(self, prompt_len: int, status_of: StatusOf, now: float) -> int | None:
+    def try_route(self, req: PendingRequest, status_of: StatusOf, now: float) -> int | None:
         for idx in self.candidate_order():
             iid = self.instances[idx]
-            if self.check(status_of(iid), prompt_len, now).ok:
+            if self.check(status_of(iid), req.prompt_len, now, req.queued_time).ok:
                 self._last = idx
                 return iid
         return None
 
-    def submit(self, request_id: str, prompt_len: int, status_of: StatusOf, now: float) -> list[tuple[str, int]]:
-        """Queue a request and dispatch what can go now: [(request_id, instance_id), ...]."""
-        self.pending.append(PendingRequest(request_id, prompt_len, now))
-        if self.config.mode == "fixed_interval":
-            return []
-        return self.retry(status_of, now)
+    def submit(self, request_id: str, prompt_len: int, max_tokens: int, status_of: StatusOf,
+               now: float) -> list[Action]:
+        """Queue a request and return the actions for what can go now."""
+        req = PendingRequest(request_id, prompt_len, max_tokens, now)
+        if self.config.mode == "reference":
+            from ecoserve.cluster.reference import route_reference
+            return route_reference(self, req, status_of, now)
+        self.pending.append(req)
+        return self.retry(status_of, now) if self.config.mode == "paper" else []
 
-    def retry(self, status_of: StatusOf, now: float) -> list[tuple[str, int]]:
-        """Dispatch pending requests FIFO until the head fits nowhere."""
-        out = []
-        while self.pending and self.config.mode == "algorithm1":
+    def retry(self, status_of: StatusOf, now: float) -> list[Action]:
+        """Dispatch pending requests FIFO until the head fits nowhere (paper mode)."""
+        acts: list[Action] = []
+        while self.pending and self.config.mode == "paper":
             head = self.pending[0]
-            iid = self.try_route(head.prompt_len, status_of, now)
+            iid = self.try_route(head, status_of, now)
             if iid is None:
                 break
             self.pending.popleft()
-            out.append((head.request_id, iid))
-        return out
+            acts += self.switch_to(iid, now)
+            acts.append(Dispatch(head.request_id, iid, head.max_tokens))
+        return acts
 
-    def interval_tick(self, status_of: StatusOf, now: float) -> list[tuple[str, int]]:
-        """Fixed-interval ablation: send every pending request to the next instance of the cycle."""
+    def interval_tick(self, status_of: StatusOf, now: float) -> list[Action]:
+        """Fixed-interval ablation: the next instance of the cycle takes every pending request."""
         if not self.instances:
             return []
         self._last = (self._last + 1) % len(self.instances)
         iid = self.instances[self._last]
-        out, st = [], status_of(iid)
+        acts = self.switch_to(iid, now)
+        st = status_of(iid)
         free = st.free_kv_tokens - self.config.kv_reserve_frac * st.total_kv_tokens
         while self.pending and self.pending[0].prompt_len + 1 <= free:
             head = self.pending.popleft()
             free -= head.prompt_len + 1
-            out.append((head.request_id, iid))
-        return out
+            acts.append(Dispatch(head.request_id, iid, head.max_tokens))
+        return acts
 
     @property
     def interval(self) -> float:

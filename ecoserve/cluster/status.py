@@ -1,8 +1,15 @@
-"""What an instance reports to the cluster layer: a frozen snapshot, cheap to ship (ZeroMQ live)."""
+"""What an instance reports to the cluster layer, and the one function that builds it.
+
+`instance_status(instance_id, scheduler)` is the only producer of `InstanceStatus`: the simulator
+calls it on its simulated instances, the live instance process on its engine's scheduler.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from ecoserve.sched.scheduler import Scheduler
 
 
 class RequestState(NamedTuple):
@@ -13,16 +20,17 @@ class RequestState(NamedTuple):
     prompt_len: int
     first_token_time: float | None
     num_output_tokens: int
-    tokens_at_switch: int = 0  # output tokens it had at the instance's last prefill->decode switch
+    tokens_at_switch: int = 0  # output tokens it had when the instance's current (or last) window opened
 
 
 @dataclass(frozen=True)
 class InstanceStatus:
     """One instance's state as of `time`.
 
-    `t_switch` is the time the instance last went from prefill to decode, i.e. the start of its
-    current admission window: requests routed at or after it are the window's prefills; older
-    ones are decoding (Algorithm 1). `free_kv_tokens` is net of prompts still queued inside it.
+    `t_switch` is when the instance's current (or last) prefill window opened (`window_start`;
+    the instance's creation before its first window): requests routed at or after it are the
+    window's prefills, older ones are decoding (Algorithm 1). `free_kv_tokens` is net of prompts
+    still queued inside it. `phase` is `Scheduler.phase`.
     """
 
     instance_id: int
@@ -32,7 +40,38 @@ class InstanceStatus:
     requests: tuple[RequestState, ...]
     free_kv_tokens: int
     total_kv_tokens: int
+    # Added with the router-commanded windows (issue 8); defaults keep hand-built statuses short.
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 1 << 30
+    window_open: bool = False
+    window_start: float | None = None  # None: no window was ever commanded
 
     @property
     def num_requests(self) -> int:
         return len(self.requests)
+
+    @property
+    def free_seats(self) -> int:
+        return self.max_num_seqs - self.num_running - self.num_waiting
+
+
+def instance_status(instance_id: int, sched: "Scheduler") -> InstanceStatus:
+    """Snapshot a scheduler: running requests first, then queued ones (with their KV still to come)."""
+    win = sched.window
+    tas = win.tokens_at_open
+    reqs = [RequestState(r.request_id, r.times.arrival, len(r.prompt_token_ids), r.times.first_token,
+                         len(r.output_token_ids), tas.get(r.request_id, 0)) for r in sched.running]
+    queued = 0
+    for r in sched.waiting:
+        reqs.append(RequestState(r.request_id, r.times.arrival, len(r.prompt_token_ids), r.times.first_token,
+                                 len(r.output_token_ids)))
+        queued += len(r.all_token_ids) + 1
+    kv = sched.kv
+    bs = kv.block_size
+    start = win.opened_at
+    return InstanceStatus(instance_id, sched.clock.now(), sched.phase,
+                          start if start is not None else sched.created_at, tuple(reqs),
+                          kv.num_free_blocks * bs - queued, kv.num_blocks * bs,
+                          len(sched.running), len(sched.waiting), sched.config.max_num_seqs,
+                          win.is_open and start is not None, start)

@@ -2,17 +2,19 @@
 
 Adds and aborts travel to the engine thread through a queue and are applied between steps, so
 the engine itself stays single-threaded. Each request's outputs reach its consumer on the event
-loop through `loop.call_soon_threadsafe`; outputs are cumulative, so a slow consumer simply sees
-the newest one. Closing a stream before it finishes (a client that went away) aborts the request.
+loop through `loop.call_soon_threadsafe`; outputs carry deltas, so every one is queued for the
+consumer. However a stream ends before its request finishes (closed, its consumer gone, or never
+started and dropped) the request is aborted and forgotten.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
-import time
-from typing import Any, AsyncIterator, Protocol
+import weakref
+from typing import Any, Protocol
 
 from ecoserve.engine.llm_engine import LLMEngine
 from ecoserve.request import RequestOutput
@@ -46,15 +48,16 @@ class StepObserver(Protocol):
 
 
 class _Stream:
-    """The newest output (or an error) of one request, handed from the engine thread to one consumer."""
+    """The outputs (or an error) of one request, handed from the engine thread to one consumer, in order."""
 
     def __init__(self) -> None:
-        self.latest: RequestOutput | None = None
+        self.outputs: collections.deque[RequestOutput] = collections.deque()
         self.error: BaseException | None = None
+        self.finished = False  # the consumer has taken the final output
         self.event = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
-        self.latest = output
+        self.outputs.append(output)
         self.event.set()
 
     def fail(self, error: BaseException) -> None:
@@ -62,7 +65,42 @@ class _Stream:
         self.event.set()
 
 
+class RequestStream:
+    """Async iterator over one request's outputs; the last one has `finished` set.
+
+    Ending it early in any way (`aclose()`, or dropping it, started or not) aborts the request.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._stream = stream
+        self._release = weakref.finalize(self, engine._forget, request_id, stream)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        stream = self._stream
+        if stream.finished:
+            raise StopAsyncIteration
+        while not stream.outputs:
+            if stream.error is not None:
+                self._release()
+                raise stream.error
+            await stream.event.wait()
+            stream.event.clear()
+        output = stream.outputs.popleft()
+        if output.finished:
+            stream.finished = True
+            self._release()
+        return output
+
+    async def aclose(self) -> None:
+        self._release()
+
+
 _STOP = ("stop",)
+_STUCK_POLL_S = 0.001  # how often an engine that could schedule nothing looks again
 
 
 class AsyncEngine:
@@ -73,6 +111,9 @@ class AsyncEngine:
         self.observer = observer
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        # adds queued but not yet applied: each counter has one writer (the loop thread, the engine thread)
+        self._adds_queued = 0
+        self._adds_applied = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._accepting = True
@@ -118,11 +159,11 @@ class AsyncEngine:
     # ---- requests ------------------------------------------------------------------------
     def num_waiting(self) -> int:
         """Requests queued but not yet running: the scheduler's waiting queue plus adds not yet applied."""
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+        return len(self.engine.scheduler.waiting) + self._adds_queued - self._adds_applied
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request and return its stream of cumulative outputs, the last one with `finished` set.
+                 prompt: str | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and return its stream of delta outputs, the last one with `finished` set.
 
         Raises at once (nothing queued) on a bad prompt (ValueError), a dead engine, shutdown or a
         full waiting queue. Closing the stream early aborts the request.
@@ -137,32 +178,28 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.validate_prompt(prompt_token_ids)
         arrival = self.engine.clock.now() if arrival_time is None else arrival_time
+        params = self.engine.validate_params(params)
         stream = _Stream()
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids},
-                            params, arrival))
-        return self._iterate(request_id, stream)
+        self._adds_queued += 1
+        command = ("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, params, arrival)
+        if params.structured_outputs is None:
+            self._commands.put(command)
+        else:  # compile on the grammar thread; the engine loop takes the request once it is ready
+            self.engine.guided.compiler.submit(params.structured_outputs).add_done_callback(
+                lambda _: self._commands.put(command))
+        return RequestStream(self, request_id, stream)
 
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                await stream.event.wait()
-                stream.event.clear()
-                if stream.error is not None:
-                    raise stream.error
-                output = stream.latest
-                if output is None:
-                    continue
-                finished = output.finished
-                yield output
-                if finished:
-                    return
-        finally:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
-            if not finished:  # the consumer went away, or an error: free the request's KV
-                self.abort(request_id)
+    def _forget(self, request_id: str, stream: _Stream) -> None:
+        """A stream ended (its consumer may be gone): drop its entry and abort the request unless it finished.
+
+        Runs once per stream, possibly from the garbage collector on any thread: it only touches
+        the dict (atomic under the GIL) and the thread-safe command queue.
+        """
+        if self._streams.get(request_id) is stream:
+            self._streams.pop(request_id, None)
+        if not stream.finished:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -195,6 +232,9 @@ class AsyncEngine:
     def _apply(self, command: tuple[Any, ...]) -> None:
         kind, request_id = command[0], command[1]
         if kind == "add":
+            self._adds_applied += 1
+            if request_id not in self._streams:
+                return  # its consumer left before the add arrived (e.g. while its grammar compiled)
             try:
                 self.engine.add_request(request_id, command[2], command[3], arrival_time=command[4])
             except Exception as e:  # a bad request must not take the loop down
@@ -216,8 +256,16 @@ class AsyncEngine:
         engine = self.engine
         try:
             while True:
-                # Block for work only when idle; otherwise take what has arrived and step.
-                commands = [self._commands.get()] if not engine.has_unfinished_requests() else []
+                # Block for work only when idle (or stuck: the last step could schedule nothing, and
+                # only a command can change that); otherwise take what has arrived and step.
+                commands = []
+                if not engine.has_unfinished_requests():
+                    commands.append(self._commands.get())
+                elif engine.last_step_empty:
+                    try:
+                        commands.append(self._commands.get(timeout=_STUCK_POLL_S))
+                    except queue.Empty:
+                        pass
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())
@@ -233,8 +281,6 @@ class AsyncEngine:
                 self._observe("on_step", outputs)
                 if outputs:
                     self._call_soon(self._deliver, outputs)
-                else:
-                    time.sleep(0.001)  # nothing schedulable this step: do not spin
         except BaseException as e:
             logger.exception("the engine loop died")
             self.dead_error = e

@@ -9,83 +9,12 @@ prompt chunks run per request with a causal mask offset by the cached prefix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from ecoserve.engine.attention_metadata import AttentionMetadata, Span, build_metadata
 from ecoserve.engine.kernels import paged_decode
-
-
-@dataclass
-class PrefillSpan:
-    q_start: int  # offset in the flattened step
-    q_len: int
-    ctx_len: int  # cached prefix + this chunk
-    blocks: torch.Tensor | None  # [ceil(ctx_len / block_size)] to gather; None when the chunk is the whole context
-
-
-@dataclass
-class DecodeGroup:
-    token_index: torch.Tensor  # [B] offsets of the decode tokens in the flattened step
-    blocks: torch.Tensor  # [B, nblk] block tables padded with block 0
-    mask: torch.Tensor | None  # [B, 1, 1, nblk * block_size] True where attended; None when nothing is padded
-    lens: torch.Tensor  # [B] context lengths
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V go
-    prefills: list[PrefillSpan]
-    decodes: list[DecodeGroup]
-
-
-def _decode_groups(token_index: list[int], ctx_lens: list[int], tables: list[list[int]], block_size: int,
-                   max_padding: float | None = 0.25) -> list[DecodeGroup]:
-    """Group decodes by context length so padded gathers waste at most ~max_padding of the reads.
-
-    max_padding None: one group (the native kernel reads only each sequence's own length).
-    """
-    order = sorted(range(len(ctx_lens)), key=ctx_lens.__getitem__, reverse=True)
-    groups, current = [], []
-    for i in order:
-        if current and max_padding is not None and ctx_lens[i] < (1 - max_padding) * ctx_lens[current[0]]:
-            groups.append(current)
-            current = []
-        current.append(i)
-    if current:
-        groups.append(current)
-    out = []
-    for members in groups:
-        lens = torch.tensor([ctx_lens[i] for i in members])
-        nblk = -(-int(lens[0]) // block_size)
-        table = torch.tensor([(tables[i] + [0] * nblk)[:nblk] for i in members])
-        mask = None
-        if max_padding is not None and int(lens.min()) != nblk * block_size:
-            mask = (torch.arange(nblk * block_size)[None, :] < lens[:, None])[:, None, None, :]
-        out.append(DecodeGroup(torch.tensor([token_index[i] for i in members]), table, mask, lens))
-    return out
-
-
-class PagedKVCache:
-    """KV tensors for all layers: [num_layers, num_blocks, block_size, kv_heads, head_dim].
-
-    Reads gather whole blocks (contiguous runs of block_size tokens), which moves memory several
-    times faster on CPU than gathering token slots one by one.
-    """
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        # zeros, not empty: padded decode gathers read unwritten slots (masked out), and garbage that
-        # happens to be NaN would poison the masked softmax (0 * NaN = NaN)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_size = block_size
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+from ecoserve.engine.kv_cache import PagedKVCache
 
 
 class PagedAttention:
@@ -101,27 +30,9 @@ class PagedAttention:
             raise RuntimeError("the native paged decode kernel was asked for but could not be built")
         self._native = native
 
-    def build_metadata(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
-        """spans: per request (start, num_tokens, block_table) in flattened order."""
-        bs = self.cache.block_size
-        slot_chunks, prefills = [], []
-        dec_index, dec_lens, dec_tables = [], [], []
-        offset = 0
-        for start, n, table in spans:
-            end = start + n
-            positions = torch.arange(start, end)
-            blocks = torch.tensor(table, dtype=torch.long)
-            slot_chunks.append(blocks[positions // bs] * bs + positions % bs)
-            if n == 1 and start > 0:
-                dec_index.append(offset)
-                dec_lens.append(end)
-                dec_tables.append(table)
-            else:
-                prefills.append(PrefillSpan(offset, n, end, blocks[:-(-end // bs)] if start > 0 else None))
-            offset += n
-        decodes = _decode_groups(dec_index, dec_lens, dec_tables, bs,
-                                 None if self._native else 0.25) if dec_index else []
-        return AttentionMetadata(torch.cat(slot_chunks), prefills, decodes)
+    def build_metadata(self, spans: list[Span]) -> AttentionMetadata:
+        """spans: per request (start, num_tokens, block_table, is_prefill) in flattened order."""
+        return build_metadata(spans, self.cache.block_size, None if self._native else 0.25)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:

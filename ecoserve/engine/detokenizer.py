@@ -3,7 +3,9 @@
 Each new token is decoded together with the few tokens before it (a window from
 `prefix_offset`), so that tokenizers whose pieces depend on their neighbours (leading spaces,
 byte-level merges) decode as they would in the full text; the window grows only while its
-text ends in an unfinished UTF-8 character, so a token costs O(1) decoding work.
+text ends in an unfinished UTF-8 character, so a token costs O(1) decoding work. Text is kept
+as released pieces plus a short pending tail (what may still start a stop string), so a token
+also costs O(1) string work however long the output grows.
 """
 from __future__ import annotations
 
@@ -33,7 +35,10 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._text = ""
+        self._pending = ""  # decoded, not yet released: the only text a stop string can still cut
+        self._released: list[str] = []
+        self._released_text = ""  # the released pieces joined, built on demand
+        self._num_joined = 0
         self._flushed = False
         self._num_tokens = 0
         self.stop_reason: str | None = None  # the stop string that ended the text, if any
@@ -41,7 +46,7 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """All text decoded so far (cut at a matched stop string), including held-back text."""
-        return self._text
+        return self._joined() + self._pending
 
     @property
     def finished(self) -> bool:
@@ -59,18 +64,30 @@ class IncrementalDetokenizer:
         self._num_tokens += 1
         return self._add_text(self._decode_new(final=False))
 
-    def text_so_far(self, final: bool = False) -> str:
-        """Text safe to show: while not final, holds back any tail that may start a stop string.
+    def take_new_text(self, final: bool = False) -> str:
+        """The text that became safe to show since the last call.
 
-        `final=True` means no more tokens will come: undecodable bytes left at the end are
-        flushed (as U+FFFD, like a full decode) and nothing is held back any more.
+        While not final, any tail that may start a stop string is held back. `final=True` means
+        no more tokens will come: undecodable bytes left at the end are flushed (as U+FFFD, like
+        a full decode) and nothing is held back any more. Released text is never taken back: a
+        stop string can only match in text that was held back.
         """
         if final and not self._flushed and self.stop_reason is None and self.params.detokenize:
             self._flushed = True
             self._add_text(self._decode_new(final=True))
-        if final or self.stop_reason is not None or not self.stop:
-            return self._text
-        return self._text[: len(self._text) - self._held_back()]
+        pending = self._pending
+        if not pending:
+            return ""
+        keep = 0 if final or self.stop_reason is not None or not self.stop else self._held_back()
+        new, self._pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        if new:
+            self._released.append(new)
+        return new
+
+    def text_so_far(self, final: bool = False) -> str:
+        """All text released so far (see `take_new_text`); O(length), for callers that want it whole."""
+        self.take_new_text(final)
+        return self._joined()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -100,29 +117,35 @@ class IncrementalDetokenizer:
     def _add_text(self, new: str) -> str | None:
         if not new:
             return None
-        start = len(self._text)
-        self._text += new
+        start = len(self._pending)
+        self._pending += new
         if not self.stop or self._num_tokens < self.params.min_tokens:
             return None
         # A new match must end inside the new text, so it starts at most (len - 1) before it.
         search_from = max(0, start - self._max_stop + 1)
         best: tuple[int, str] | None = None
         for s in self.stop:
-            pos = self._text.find(s, search_from)
+            pos = self._pending.find(s, search_from)
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is None:
             return None
         pos, s = best
-        self._text = self._text[: pos + len(s)] if self.params.include_stop_str_in_output else self._text[:pos]
+        self._pending = self._pending[: pos + len(s)] if self.params.include_stop_str_in_output else self._pending[:pos]
         self.stop_reason = s
         return s
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of some stop string."""
-        text = self._text
+        """Length of the longest pending suffix that is a proper prefix of some stop string."""
+        text = self._pending
         for n in range(min(self._max_stop - 1, len(text)), 0, -1):
             tail = text[-n:]
             if any(s.startswith(tail) for s in self.stop):
                 return n
         return 0
+
+    def _joined(self) -> str:
+        if self._num_joined < len(self._released):
+            self._released_text += "".join(self._released[self._num_joined:])
+            self._num_joined = len(self._released)
+        return self._released_text

@@ -9,30 +9,55 @@ import torch
 
 from ecoserve.clock import Clock, WallClock
 from ecoserve.config import EngineConfig
-from ecoserve.engine.attention import PagedKVCache
+from ecoserve.engine.kv_cache import PagedKVCache
 from ecoserve.engine.cpu import tune_allocator
 from ecoserve.engine.detokenizer import IncrementalDetokenizer
+from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder
 from ecoserve.engine.model_runner import ModelRunner
-from ecoserve.request import (CompletionOutput, Logprobs, Request, RequestMetrics, RequestOutput, RequestStatus)
+from ecoserve.request import (CompletionOutput, Logprobs, OutputHistory, Request, RequestMetrics, RequestOutput,
+                              RequestStatus)
 from ecoserve.sampling import SamplingParams
+from ecoserve.sched.interface import SchedulerOutput
 from ecoserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+
+def validate_params(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> SamplingParams:
+    """Checks that need the model or tokenizer; returns the params to run with (also a cluster frontend's)."""
+    bad = [t for t in (params.logit_bias or {}) if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    if not has_tokenizer:
+        if params.stop or params.structured_outputs is not None:
+            raise ValueError("stop strings and structured outputs need a tokenizer, and this engine has none "
+                             "(skip_tokenizer_init)")
+        if params.detokenize:
+            params = params.clone(detokenize=False)
+    return params
+
 DEFAULT_CPU_KV_BYTES = 1 << 30
 PromptType = str | list[int] | dict[str, Any]
+SAMPLE_ID_SEP = "\x1f"  # reserved: user ids never contain it, so sample ids never collide with them
+
+
+def sample_id(request_id: str, index: int) -> str:
+    """The scheduler's id of sample `index` of an n > 1 request."""
+    return f"{request_id}{SAMPLE_ID_SEP}{index}"
 
 
 @dataclass
 class _Child:
-    """One of the n samples of a user request, with its detokenizer and logprobs."""
+    """One of the n samples of a user request: its detokenizer, what it emitted, and this step's delta."""
 
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer
-    logprobs: list[Logprobs] | None
     cumulative_logprob: float | None
+    history: OutputHistory = field(default_factory=OutputHistory)
     num_processed: int = 0
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[Logprobs] | None = None
 
 
 @dataclass
@@ -59,17 +84,17 @@ class LLMEngine:
         if config.device == "cpu":
             tune_allocator()
         self.clock = clock or WallClock()
+        parallel = config.parallel
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, revision=config.revision,
-                            tokenizer=config.tokenizer, quantization=config.quantization)
+                            tokenizer=config.tokenizer, skip_tokenizer_init=config.skip_tokenizer_init,
+                            weights=parallel.world_size == 1, quantization=config.quantization)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or loaded.max_model_len
-        model = loaded.model
-        model.ensure_positions(self.max_model_len)
         block_size = config.cache.block_size
-        per_token = PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+        per_token = self._kv_bytes_per_token()
         # Default budget: 1 GiB, or less when even max_num_seqs requests at max_model_len need less.
         budget = config.cache.kv_cache_memory_bytes or min(
             DEFAULT_CPU_KV_BYTES, per_token * self.max_model_len * config.scheduler.max_num_seqs)
@@ -83,14 +108,47 @@ class LLMEngine:
                     capacity / self.max_model_len)
         self.num_kv_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.clock, self.max_model_len)
-        self.executor = ModelRunner(model, num_blocks, block_size, config.device, config.seed)
+        # Matchers of constrained sequences live here, in the engine's process (also in a cluster instance).
+        self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids))
+                                    ) if self.tokenizer is not None else None
+        if parallel.world_size == 1:
+            loaded.model.ensure_positions(self.max_model_len)
+            self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed, self.guided)
+        else:
+            from ecoserve.distributed.launch import start_workers
+            self.executor = start_workers(config, loaded, num_blocks, self.max_model_len)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.last_step_empty = False  # the last step() found nothing it could schedule
+
+    def _kv_bytes_per_token(self) -> int:
+        """KV bytes per token on the most loaded rank (the budget is per rank; blocks are the same on all)."""
+        config, spec = self.config, self.loaded.spec
+        parallel = config.parallel
+        if parallel.world_size == 1:
+            model = self.loaded.model
+            return PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+        from ecoserve.model.loader import resolve_dtype
+        from ecoserve.model.parallel import HeadShard, partition_layers
+
+        stages = partition_layers(spec.num_layers, parallel.pipeline_parallel_size, parallel.pp_layer_partition)
+        kv_heads = HeadShard.of(spec, parallel.tensor_parallel_size, 0).num_kv_heads
+        dtype = resolve_dtype(config.dtype, config.device, spec.torch_dtype)
+        return max(PagedKVCache.bytes_per_token(len(r), kv_heads, spec.head_dim, dtype) for r in stages)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel instance (nothing to do in-process)."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer, and this engine has none (skip_tokenizer_init); "
+                                 "pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -113,14 +171,29 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
+    def validate_params(self, params: SamplingParams) -> SamplingParams:
+        if params.structured_outputs is not None and self.config.parallel.world_size > 1:
+            # The ranks' runners hold no grammar matchers: refuse rather than sample unconstrained.
+            raise ValueError("structured outputs are not supported with tensor or pipeline parallelism yet")
+        return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Validate and queue; on error nothing is queued and other requests are untouched."""
-        params = params or SamplingParams()
+        """Validate and queue; on error nothing is queued and other requests are untouched.
+
+        A structured-output grammar not compiled yet is compiled here, blocking; the AsyncEngine
+        compiles it on a worker thread before it calls this.
+        """
+        params = self.validate_params(params or SamplingParams())
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if SAMPLE_ID_SEP in request_id:
+            raise ValueError(f"request ids must not contain {SAMPLE_ID_SEP!r}: it separates the ids of n > 1 "
+                             f"samples, got {request_id!r}")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        if params.structured_outputs is not None:
+            self.guided.compiler.compile(params.structured_outputs)  # raises ValueError for a bad spec
         arrival = self.clock.now() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, token_ids,
                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
@@ -129,14 +202,19 @@ class LLMEngine:
             if params.n > 1:
                 child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i,
                                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            rid = request_id if params.n == 1 else sample_id(request_id, i)
             req = Request(rid, token_ids, child_params, arrival, self.eos_token_ids, self.max_model_len)
+            wants_logprobs = params.logprobs is not None
             parent.children.append(_Child(req, i, IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
-                                          [] if params.logprobs is not None else None,
-                                          0.0 if params.logprobs is not None else None))
+                                          0.0 if wants_logprobs else None,
+                                          OutputHistory(logprobs=[] if wants_logprobs else None)))
+        for child in parent.children:  # all of them, before any is queued
+            self.scheduler.check_request(child.request)
         for child in parent.children:
             self.scheduler.add_request(child.request)
             self._child_to_parent[child.request.request_id] = parent
+            if params.structured_outputs is not None:
+                self.guided.add(child.request.request_id, params.structured_outputs)
         self._parents[request_id] = parent
         self.stats["prompt_tokens"] += len(token_ids)
 
@@ -148,9 +226,10 @@ class LLMEngine:
             if parent is None:
                 continue
             self.scheduler.abort_requests([c.request.request_id for c in parent.children])
-            for c in parent.children:
-                self._child_to_parent.pop(c.request.request_id, None)
+            self._forget(parent)
             aborted.append(rid)
+        if aborted and not self.scheduler.has_unfinished_requests():
+            self.flush_finished()
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -161,8 +240,11 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns one delta output per request that got new tokens or finished."""
         out = self.scheduler.schedule()
+        self.last_step_empty = out.is_empty
         if out.is_empty:
+            self.flush_finished()
             return []
         result = self.executor.execute(out)
         self.scheduler.update(out, result)
@@ -187,9 +269,26 @@ class LLMEngine:
             outputs.append(self._make_output(parent))
             if parent.finished:
                 del self._parents[parent.request_id]
-                for c in parent.children:
-                    self._child_to_parent.pop(c.request.request_id, None)
+                self._forget(parent)
+        if not self.scheduler.has_unfinished_requests():
+            self.flush_finished()
         return outputs
+
+    def _forget(self, parent: _Parent) -> None:
+        for c in parent.children:
+            self._child_to_parent.pop(c.request.request_id, None)
+            if self.guided is not None:
+                self.guided.remove(c.request.request_id)
+
+    def flush_finished(self) -> None:
+        """Hand the executor the ids of requests that left since its last batch, so it drops their state.
+
+        The scheduler keeps them for its next non-empty batch; an idle engine flushes them at once
+        (a request id reused later must start afresh, e.g. with a new seeded generator).
+        """
+        finished = self.scheduler.take_finished_ids()
+        if finished:
+            self.executor.execute(SchedulerOutput((), {}, finished_ids=finished))
 
     def _process_token(self, child: _Child, result) -> None:
         req = child.request
@@ -197,28 +296,36 @@ class LLMEngine:
             token = req.output_token_ids[child.num_processed]
             child.num_processed += 1
             self.stats["generation_tokens"] += 1
-            if child.logprobs is not None and req.request_id in result.logprobs:
-                child.logprobs.append(result.logprobs[req.request_id])
+            child.new_token_ids.append(token)
+            if child.cumulative_logprob is not None and req.request_id in result.logprobs:
+                if child.new_logprobs is None:
+                    child.new_logprobs = []
+                child.new_logprobs.append(result.logprobs[req.request_id])
                 child.cumulative_logprob += result.sampled_logprob[req.request_id]
             stop = child.detokenizer.append(token)
             if stop is not None and not req.finished and req.num_output_tokens >= req.sampling_params.min_tokens:
                 req.stop_reason = stop
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            if self.guided is not None and self.guided.accept(req.request_id, token) and not req.finished:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
+        """This step's deltas of every sample (empty for samples without news), O(new tokens)."""
         outs = []
         for c in parent.children:
             req = c.request
             reason = req.status.value if req.finished else None
-            outs.append(CompletionOutput(c.index, c.detokenizer.text_so_far(final=req.finished),
-                                         list(req.output_token_ids), c.cumulative_logprob,
-                                         list(c.logprobs) if c.logprobs is not None else None, reason,
-                                         req.stop_reason))
+            new_text = c.detokenizer.take_new_text(final=req.finished)
+            new_logprobs = c.new_logprobs if c.new_logprobs is not None else (
+                None if c.history.logprobs is None else [])
+            c.history.extend(c.new_token_ids, new_text, new_logprobs)
+            outs.append(CompletionOutput(c.index, new_text, c.new_token_ids, c.cumulative_logprob, new_logprobs,
+                                         reason, req.stop_reason, c.history))
+            c.new_token_ids, c.new_logprobs = [], None
         first = parent.children[0].request
         times = first.times
         metrics = RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.last_token,
                                  times.finished, sum(c.request.num_preemptions for c in parent.children),
                                  first.num_cached_tokens)
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
                              outs, parent.finished, metrics, first.num_cached_tokens)

@@ -10,14 +10,16 @@ import time
 
 import torch
 
-from ecoserve.engine.attention import PagedAttention, PagedKVCache
+from ecoserve.engine.attention import PagedAttention
+from ecoserve.engine.kv_cache import PagedKVCache
+from ecoserve.engine.guided import GuidedDecoder
 from ecoserve.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, guided: GuidedDecoder | None = None) -> None:
         self.model = model
         self.device = torch.device(device)
         self.kv_cache = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
@@ -25,6 +27,7 @@ class ModelRunner:
         self.attention = PagedAttention(self.kv_cache)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.guided = guided  # grammar masks for constrained rows, applied before sampling (as vLLM); the engine owns it
         torch.manual_seed(seed)
 
     def _generator(self, request) -> torch.Generator | None:
@@ -49,7 +52,7 @@ class ModelRunner:
             req = chunk.request
             end = chunk.start + chunk.num_tokens
             ids.extend(req.all_token_ids[chunk.start:end])
-            spans.append((chunk.start, chunk.num_tokens, batch.block_tables[req.request_id]))
+            spans.append((chunk.start, chunk.num_tokens, batch.block_tables[req.request_id], chunk.is_prefill))
             if req.sampling_params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
                 last = min(end, req.num_prompt_tokens - 1)  # positions whose next token is a prompt token
                 prompt_rows.append((chunk, offset, last - chunk.start))
@@ -57,14 +60,21 @@ class ModelRunner:
                 sample_rows.append((chunk, offset + chunk.num_tokens - 1))
             offset += chunk.num_tokens
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(s, s + n) for s, n, _ in spans]).to(self.device)
+        positions = torch.cat([torch.arange(s, s + n) for s, n, _, _ in spans]).to(self.device)
         self.attention.meta = self.attention.build_metadata(spans)
         hidden = self.model(input_ids, positions, self.attention)
         self.attention.meta = None
 
         result = StepResult()
-        if sample_rows:
+        if self.model.lm_head is None:  # an earlier pipeline stage: its hidden states went on to the next
+            result.duration = time.perf_counter() - started
+            return result
+        logits = None
+        if sample_rows:  # under tensor parallelism only rank 0 gets the gathered logits (None elsewhere)
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows])])
+        if logits is not None:
+            if self.guided is not None:
+                self.guided.apply(logits, [c.request.request_id for c, _ in sample_rows])
             rows = [SamplingRow.from_request(c.request, self._generator(c.request)) for c, _ in sample_rows]
             sampled = self.sampler(logits, rows)
             for k, (chunk, _) in enumerate(sample_rows):
@@ -76,6 +86,8 @@ class ModelRunner:
         for chunk, offset, n in prompt_rows:
             req = chunk.request
             logits = self.model.compute_logits(hidden[offset:offset + n])
+            if logits is None:
+                continue
             targets = torch.tensor(req.prompt_token_ids[chunk.start + 1:chunk.start + 1 + n])
             result.prompt_logprobs[req.request_id] = prompt_logprobs(logits, targets,
                                                                      req.sampling_params.prompt_logprobs)

@@ -1,7 +1,7 @@
 """Sampler: turns one logits row per running request into the next token (plus logprobs).
 
 Order of processing, per row: raw logprobs are taken first (vLLM's default, before anything
-changes the logits), then min_tokens masking, penalties, temperature, top-k, top-p, min-p,
+changes the logits), then min_tokens masking, logit_bias, penalties, temperature, top-k, top-p, min-p,
 and finally greedy argmax or an exponential race (argmax of probs / Exp(1) noise), which lets
 seeded rows draw their noise from their own generator.
 """
@@ -72,13 +72,14 @@ class Sampler:
         if not rows:
             return SamplerOutput([])
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if not want_logprobs and all(r.params.greedy and not r.params.needs_penalties and not r.blocks_stops
+        if not want_logprobs and all(r.params.greedy and not r.params.needs_processing and not r.blocks_stops
                                      for r in rows):
             return SamplerOutput(logits.argmax(dim=-1).tolist())
 
         raw = logits
         logits = logits.clone()
         apply_min_tokens(logits, rows)
+        apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
         tokens = self._sample(logits, rows)
 
@@ -162,6 +163,20 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
                 tok_idx.append(t)
     if row_idx:
         logits[torch.tensor(row_idx), torch.tensor(tok_idx)] = _NEG_INF
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: OpenAI's logit_bias, added to the raw logits of the named token ids."""
+    row_idx, tok_idx, bias = [], [], []
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        for t, b in (r.params.logit_bias or {}).items():
+            if t < vocab:
+                row_idx.append(i)
+                tok_idx.append(t)
+                bias.append(float(b))
+    if row_idx:
+        logits[torch.tensor(row_idx), torch.tensor(tok_idx)] += torch.tensor(bias, device=logits.device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

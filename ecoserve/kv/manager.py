@@ -13,6 +13,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}  # kept in step with _blocks: block tables without rebuilding
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already in the prefix index
+        self._pins: set[str] = set()  # requests whose KV outlives a stop at their token limit (FuDG export)
+        self._held: dict[str, list[KVBlock]] = {}  # pinned or imported blocks that no running request owns
         self.prefix_queries = 0  # tokens looked up (vLLM's prefix_cache_queries counts tokens)
         self.prefix_hits = 0
 
@@ -60,11 +62,6 @@ class KVCacheManager:
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * bs
         return hits
-
-    def fits_in_own_blocks(self, req: Request, num_new_tokens: int) -> bool:
-        """True if the request's blocks already hold `num_new_tokens` more (allocate_slots would be a no-op)."""
-        owned = self._blocks.get(req.request_id)
-        return owned is not None and req.num_computed_tokens + num_new_tokens <= len(owned) * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False (and no change) if it won't fit."""
@@ -117,18 +114,72 @@ class KVCacheManager:
             done = i + 1
         self._num_cached[req.request_id] = done
 
-    def free(self, req: Request, uncomputed_from: int | None = None) -> None:
+    def free(self, req: Request, uncomputed_from: int | None = None, keep: bool = False) -> None:
         """Release the request's blocks; those from token `uncomputed_from` on leave the prefix index.
 
         A request preempted in the step that scheduled it never computes the blocks indexed for
-        that step, so they must not serve later hits.
+        that step, so they must not serve later hits, nor may another request already hold them.
+        `keep` (a finish at the token limit) holds the blocks of a pinned request for
+        `held_block_ids` / `release` instead.
         """
-        blocks = self._blocks.pop(req.request_id, None)
+        rid = req.request_id
+        if uncomputed_from is None and rid in self._pins:  # finished: the pin ends here
+            self._pins.discard(rid)
+            if keep and rid in self._blocks:
+                self._held[rid] = self._blocks.pop(rid)
+                self._block_ids.pop(rid, None)
+                self._num_cached.pop(rid, None)
+                return
+        blocks = self._blocks.get(rid)
+        uncomputed = blocks[uncomputed_from // self.block_size:] if blocks and uncomputed_from is not None else []
+        shared = [b.block_id for b in uncomputed if b.ref_cnt > 1]
+        if shared:
+            # Another request hit these blocks this step and would read KV that nobody writes: a
+            # policy must preempt before it admits (the built-in ones do).
+            raise AssertionError(f"request {rid!r} is preempted while other requests share its "
+                                 f"not yet computed blocks {shared}")
+        self._blocks.pop(rid, None)
         self._block_ids.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
         if not blocks:
             return
-        if uncomputed_from is not None:
-            for block in blocks[uncomputed_from // self.block_size:]:
-                self.pool.uncache(block)
+        for block in uncomputed:
+            self.pool.uncache(block)
         self.pool.free(blocks[::-1])
+
+    # ---- KV that moves between instances (FuDG) ------------------------------------------
+    def pin(self, request_id: str) -> None:
+        """Keep the request's blocks when it stops at its token limit, for an export."""
+        self._pins.add(request_id)
+
+    def held_block_ids(self, request_id: str) -> list[int] | None:
+        blocks = self._held.get(request_id)
+        return None if blocks is None else [b.block_id for b in blocks]
+
+    def release(self, request_id: str) -> bool:
+        """Free held blocks (exported, or an import nobody claimed); False if none were held."""
+        self._pins.discard(request_id)
+        blocks = self._held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks[::-1])
+        return True
+
+    def import_blocks(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Fresh blocks for `num_tokens` tokens of KV arriving from elsewhere; None if they do not fit."""
+        need = self.blocks_needed(num_tokens)
+        if request_id in self._held or request_id in self._blocks or need > self.pool.num_free_blocks:
+            return None
+        self._held[request_id] = self.pool.allocate(need)
+        return [b.block_id for b in self._held[request_id]]
+
+    def adopt(self, req: Request, num_tokens: int) -> bool:
+        """Give a queued request its imported blocks: its first `num_tokens` tokens count as computed."""
+        blocks = self._held.get(req.request_id)
+        if blocks is None or len(blocks) * self.block_size < num_tokens or req.request_id in self._blocks:
+            return False
+        del self._held[req.request_id]
+        self._blocks[req.request_id] = blocks
+        self._block_ids[req.request_id] = [b.block_id for b in blocks]
+        req.num_computed_tokens = num_tokens
+        return True

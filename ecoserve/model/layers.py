@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ecoserve.model.parallel import RowParallelLinear, TPComm
+
 
 class RMSNorm(nn.Module):
     """Normalises in float32 and scales in the input dtype, as HF Llama does (bit-equal in bf16)."""
@@ -21,13 +23,18 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul.
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype | None = None) -> None:
+    Under tensor parallelism `intermediate` is this rank's share: gate/up are column-parallel and
+    down is row-parallel (one all-reduce).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype | None = None,
+                 tp: TPComm | None = None) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

@@ -13,19 +13,22 @@ from torch import nn
 
 from ecoserve.model.attention import AttentionBackend
 from ecoserve.model.layers import GatedMLP, RMSNorm
+from ecoserve.model.parallel import (HeadShard, ParallelLMHead, RowParallelLinear, ShardPlan, StageLink, TPComm,
+                                     VocabParallelEmbedding)
 from ecoserve.model.rope import RotaryEmbedding, apply_rotary
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, tp: TPComm | None = None) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.layer_idx = layer_idx  # within this rank's stage: the index into its KV cache
+        heads = HeadShard.of(spec, tp.size if tp else 1, tp.rank if tp else 0)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = heads.num_heads * spec.head_dim, heads.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, spec.o_bias, dtype, tp)
         # Qwen3 normalises each head of q and k before rotary
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
@@ -44,12 +47,16 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, tp: TPComm | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.self_attn = Attention(spec, layer_idx, dtype)
+        self.self_attn = Attention(spec, layer_idx, dtype, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype)
+        tp_size = tp.size if tp else 1
+        if spec.intermediate_size % tp_size:
+            raise ModelLoadError(f"tensor_parallel_size {tp_size} must divide intermediate_size "
+                                 f"{spec.intermediate_size}")
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size // tp_size, spec.mlp_bias, dtype, tp)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
@@ -57,39 +64,55 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder-only LM: `forward` gives final hidden states, `compute_logits` the float32 logits."""
+    """Decoder-only LM: `forward` gives final hidden states, `compute_logits` the float32 logits.
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> None:
+    Built for one rank of a parallel instance when given a `ShardPlan` and its communicators: it then
+    holds only its stage's layers (embedding on the first stage, norm and LM head on the last) and
+    its tensor-parallel share of each; by default it is the whole model.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, shard: ShardPlan = ShardPlan(),
+                 tp: TPComm | None = None, link: StageLink | None = None) -> None:
         super().__init__()
-        self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.spec, self.shard, self.link = spec, shard, link
+        self.layer_range = shard.layers(spec.num_layers)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp) \
+            if shard.is_first_stage else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, tp) for i in range(len(self.layer_range)))
+        if shard.is_last_stage:
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, tp)
+            self.tie_weights()
+        else:
+            self.norm = self.lm_head = None
         self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings, dtype)
+        self._dtype = dtype
+
+    def tie_weights(self) -> None:
+        """A tied LM head shares the embedding's (tensor-parallel) shard when this stage has both."""
+        if self.spec.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
 
     # facts the engine sizes its KV cache with
     @property
     def num_layers(self) -> int:
-        return self.spec.num_layers
+        return len(self.layers)
 
     @property
     def num_kv_heads(self) -> int:
-        return self.spec.num_kv_heads
+        return self.layers[0].self_attn.num_kv_heads if len(self.layers) else self.spec.num_kv_heads
 
     @property
     def head_dim(self) -> int:
         return self.spec.head_dim
 
     @property
-    def dtype(self) -> torch.dtype:  # of activations and KV cache (quantized weights are uint8)
-        return self.norm.weight.dtype
+    def dtype(self) -> torch.dtype:
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
-        return self.norm.weight.device
+        return self.rotary.cos.device
 
     def ensure_positions(self, num_positions: int) -> None:
         """Grow the rotary tables so positions [0, num_positions) are valid (default: max_position_embeddings)."""
@@ -97,24 +120,38 @@ class LlamaModel(nn.Module):
             self.rotary.build(num_positions, self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] -> final-norm hidden states [T, hidden_size]."""
-        h = self.embed_tokens(input_ids)
+        """input_ids, positions: [T] -> final-norm hidden states [T, hidden_size].
+
+        A later pipeline stage receives its input hidden states from the previous stage; an earlier one
+        sends its output on and returns it un-normed.
+        """
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(input_ids)
+        else:
+            h = self.link.recv((input_ids.shape[0], self.spec.hidden_size), self._dtype)
         cos, sin = self.rotary(positions)
         for layer in self.layers:
             h = layer(h, cos, sin, attn)
+        if self.norm is None:
+            self.link.send(h)
+            return h
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (None on tensor-parallel ranks > 0)."""
+        return self.lm_head(hidden)
 
     # HF checkpoint names -> our fused parameters: (fused name, shard index)
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our parameters (casting to our dtype); raise if any is missing."""
-        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
+    def load_weights(self, weights: Iterable[tuple[str, "Checkpointed"]]) -> None:
+        """Copy this rank's part of HF-named tensors into our parameters (casting to our dtype).
+
+        `weights` may yield lazy slices (safetensors' get_slice): only this rank's rows or columns
+        are then read, so no rank materialises a tensor it does not hold. Raises if any is missing.
+        """
+        params = dict(self.named_parameters())  # a tied lm_head appears once
         needed: set[tuple[str, int]] = set()
         for name in params:
             module = name.split(".")[-2]
@@ -123,32 +160,86 @@ class LlamaModel(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.spec.tie_word_embeddings):
                 continue
-            shard = -1
             parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in self._FUSED:
-                fused, shard = self._FUSED[parts[-2]]
-                name = ".".join(parts[:-2] + [fused, parts[-1]])
+            if parts[0] == "layers":
+                local = int(parts[1]) - self.layer_range.start
+                if not 0 <= local < len(self.layer_range):
+                    continue  # another pipeline stage's layer
+                parts[1] = str(local)
+            shard, hf_module = -1, parts[-2] if len(parts) >= 2 else ""
+            if hf_module in self._FUSED:
+                fused, shard = self._FUSED[hf_module]
+                parts[-2] = fused
+            name = ".".join(parts)
+            if name == "embed_tokens.weight" and self.embed_tokens is None:
+                if not (self.spec.tie_word_embeddings and self.lm_head is not None):
+                    continue
+                name = "lm_head.weight"  # a tied head on a later stage than the embedding loads its own copy
+            elif name in ("norm.weight", "lm_head.weight") and self.norm is None:
+                continue
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} does not belong to a {self.spec.architecture} "
                                      f"with this config.json")
             target = self._shard(params[name], name, shard)
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                     f"config.json implies {tuple(target.shape)}")
+            piece = self._rank_piece(tensor, hf_module, parts[-1], name, hf_name, target)
             with torch.no_grad():
-                target.copy_(tensor)
+                if piece.shape[0] < target.shape[0]:  # the padded tail of a vocab-parallel table
+                    target[piece.shape[0]:].zero_()
+                    target = target[:piece.shape[0]]
+                target.copy_(piece)
             needed.discard((name, shard))
         if needed:
             missing = sorted(f"{n}[{s}]" if s >= 0 else n for n, s in needed)
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
+    def _rank_piece(self, tensor: "Checkpointed", hf_module: str, kind: str, name: str, hf_name: str,
+                    target: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (column-parallel, vocab) or columns (row-parallel) of a checkpoint tensor."""
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+        spec, d, tp, rank = self.spec, self.spec.head_dim, self.shard.tp_size, self.shard.tp_rank
+        heads = HeadShard.of(spec, tp, rank)
+        inter = spec.intermediate_size // tp
+        rows = {"q_proj": (heads.q_start * d, heads.num_heads * d, spec.num_heads * d),
+                "k_proj": (heads.kv_start * d, heads.num_kv_heads * d, spec.num_kv_heads * d),
+                "gate_proj": (rank * inter, inter, spec.intermediate_size)}
+        rows["v_proj"], rows["up_proj"] = rows["k_proj"], rows["gate_proj"]
+        dim = 0
+        if hf_module in rows:
+            start, size, full = rows[hf_module]
+        elif name in ("embed_tokens.weight", "lm_head.weight"):
+            start = rank * target.shape[0]
+            size, full = max(min(target.shape[0], spec.vocab_size - start), 0), spec.vocab_size
+        elif hf_module in ("o_proj", "down_proj") and kind == "weight":
+            dim, size = 1, target.shape[1]
+            start, full = rank * size, size * tp
+        else:
+            dim = None
+        want = list(target.shape)
+        if dim is not None:
+            want[dim] = full
+        if shape != tuple(want):
+            raise ModelLoadError(f"checkpoint tensor {hf_name!r} has shape {shape}, config.json implies {tuple(want)}")
+        if dim is None:
+            return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+        return _take(tensor, dim, start, size)
+
     def _shard(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
         if shard < 0:
             return param.data
         if ".qkv_proj." in name:
-            q, kv = self.spec.num_heads * self.spec.head_dim, self.spec.num_kv_heads * self.spec.head_dim
+            attn = self.layers[0].self_attn
+            q, kv = attn.q_size, attn.kv_size
             start, size = [(0, q), (q, kv), (q + kv, kv)][shard]
         else:
-            size = self.spec.intermediate_size
+            size = self.layers[0].mlp.intermediate
             start = shard * size
         return param.data.narrow(0, start, size)
+
+
+Checkpointed = torch.Tensor  # or a safetensors slice: anything with .get_shape() and [a:b] / [:, a:b]
+
+
+def _take(tensor: "Checkpointed", dim: int, start: int, size: int) -> torch.Tensor:
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(dim, start, size)
+    return tensor[start:start + size] if dim == 0 else tensor[:, start:start + size]

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ecoserve.model.quant import (QUANTIZATIONS, describe_weights, quantize_linears_int8, quantize_model_modules,
-                                  weight_bytes)
+from ecoserve.model.parallel import ShardPlan, StageLink, TPComm
+from ecoserve.model.quant import QUANTIZATIONS, describe_weights, quantize_linears_int8, quantize_model_modules, weight_bytes
 from ecoserve.model.registry import get_model_class
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 
@@ -27,7 +27,7 @@ _GENERATION_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None from load_model_info (no weights)
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     spec: ModelSpec
     eos_token_ids: frozenset[int]
@@ -114,31 +114,32 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) per checkpoint tensor: the model reads only the rows or columns it holds."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def build_model(spec: ModelSpec, path: Path, dtype: torch.dtype, device: str | torch.device,
-                weights: Iterator[tuple[str, torch.Tensor]] | None = None,
+                shard: ShardPlan = ShardPlan(), tp: TPComm | None = None, link: StageLink | None = None,
+                weights: Iterator[tuple[str, Any]] | None = None,
                 quantized: dict[str, int] | None = None) -> torch.nn.Module:
-    """Allocate the model once in `dtype` on `device` and copy the checkpoint tensors into it.
+    """Allocate the model (or one rank's shard of it) once in `dtype` on `device` and load the checkpoint.
 
     `weights` defaults to the safetensors under `path`; `quantized` names the modules that hold
-    GGUF blocks instead (module name -> GGML type, see ecoserve.model.quant).
+    GGUF blocks instead (module name -> GGML type, see ecoserve.model.quant; single process only).
     """
     cls = get_model_class(spec.architecture)
     with torch.device("meta"):
-        model = cls(spec, dtype)
+        model = cls(spec, dtype, shard, tp, link)
         if quantized:
             quantize_model_modules(model, quantized)
     model = model.to_empty(device=device)
-    if spec.tie_word_embeddings:  # to_empty re-creates parameters, so tie again
-        model.lm_head.weight = model.embed_tokens.weight
+    model.tie_weights()  # to_empty re-creates parameters, so tie again
     model.rotary.build(spec.max_position_embeddings, device)
     model.load_weights(weights if weights is not None else iter_safetensors(safetensors_files(path)))
     return model.eval().requires_grad_(False)
@@ -157,14 +158,12 @@ def gguf_file(model: str | None) -> Path | None:
 
 
 def resolve_quantization(quantization: str | None, dtype: str | torch.dtype, is_gguf: bool, device: str) -> str | None:
-    """None/'auto': GGUF files on CPU stay quantized unless a dtype is asked for (`--dtype float32`
-    dequantizes as before); 'none' never quantizes; 'gguf' and 'int8' as asked."""
-    if quantization in (None, "auto"):
-        return "gguf" if is_gguf and dtype == "auto" and torch.device(device).type == "cpu" else None
-    if quantization == "none":
+    """None or 'none': float weights (the default); 'gguf' keeps a GGUF file's blocks; 'int8' makes Q8_0
+    blocks of a float checkpoint. Quantized weights run on CPU with float32 activations."""
+    if quantization in (None, "none"):
         return None
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of auto, none, {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+        raise ValueError(f"quantization must be one of none, {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if quantization == "gguf" and not is_gguf:
         raise ValueError("--quantization gguf needs a .gguf model; use --quantization int8 for other checkpoints")
     if dtype not in ("auto", "float32", torch.float32) or torch.device(device).type != "cpu":
@@ -172,16 +171,14 @@ def resolve_quantization(quantization: str | None, dtype: str | torch.dtype, is_
     return quantization
 
 
-def _load_gguf_quantized(gguf_path: Path, device: str) -> tuple[Path, ModelSpec, torch.nn.Module]:
-    """Config and tokenizer from the cached conversion; weights straight from the GGUF file's blocks."""
-    from ecoserve.model.gguf import cached_conversion, gguf_tensors, gguf_weight_types, indexed_gguf
+def _build_gguf_quantized(gguf_path: Path, spec: ModelSpec, converted: Path, device: str) -> torch.nn.Module:
+    """Weights straight from the GGUF file's blocks (config and tokenizer came from its conversion)."""
+    from ecoserve.model.gguf import gguf_tensors, gguf_weight_types, indexed_gguf
 
-    path = cached_conversion(gguf_path, weights=False)
-    spec = ModelSpec.from_dir(path)
-    reader = indexed_gguf(gguf_path, path)
+    reader = indexed_gguf(gguf_path, converted)
     types = gguf_weight_types(reader, spec.raw)
     weights = gguf_tensors(reader, spec.raw, keep_quantized=frozenset(types))
-    return path, spec, build_model(spec, path, torch.float32, device, weights=weights, quantized=types)
+    return build_model(spec, converted, torch.float32, device, weights=weights, quantized=types)
 
 
 def load_tokenizer(source: str | Path, revision: str | None = None):
@@ -209,37 +206,55 @@ def _ids(value: Any) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
-def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               revision: str | None = None, tokenizer: str | None = None,
-               quantization: str | None = None) -> LoadedModel:
-    """Load weights, tokenizer and serving facts. `model`: directory, .gguf, hub id, or None (embedded).
-
-    `quantization`: see `resolve_quantization` (GGUF files stay quantized by default on CPU).
-    """
-    resolve_dtype(dtype)  # reject a bad name before any download or conversion
-    source = gguf_file(model)
-    quantization = resolve_quantization(quantization, dtype, source is not None, device)
-    if quantization == "gguf":
-        path, spec, net = _load_gguf_quantized(source, device)
-    else:
-        path = resolve_model_path(model, revision)
-        spec = ModelSpec.from_dir(path)
-        net = build_model(spec, path, resolve_dtype(dtype, device, spec.torch_dtype), device)
-        if quantization == "int8":
-            quantize_linears_int8(net)
-    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
-        logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
-                       "differ from the reference past that length", spec.architecture, spec.sliding_window)
-    logger.info("model weights: %.1f MiB in memory (%s)", weight_bytes(net) / 2**20, describe_weights(net))
-    tok = load_tokenizer(tokenizer or path, revision if tokenizer else None)
+def load_model_info(model: str | None, *, revision: str | None = None, tokenizer: str | None = None,
+                    skip_tokenizer_init: bool = False) -> LoadedModel:
+    """Everything but the weights (`model` is None): what a cluster frontend needs to tokenize and validate."""
+    path = resolve_model_path(model, revision)
+    spec = ModelSpec.from_dir(path)
+    tok = None if skip_tokenizer_init else load_tokenizer(tokenizer or path, revision if tokenizer else None)
     generation = _read_json(path / "generation_config.json")
-    eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id")) | _ids(tok.eos_token_id)
+    eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id"))
+    if tok is not None:
+        eos |= _ids(tok.eos_token_id)
     defaults = {k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None}
     if model is None:
         from ecoserve.model.default import DEFAULT_MODEL_NAME
         name = DEFAULT_MODEL_NAME
     else:
         name = model
-    return LoadedModel(model=net, tokenizer=tok, spec=spec, eos_token_ids=frozenset(eos),
+    return LoadedModel(model=None, tokenizer=tok, spec=spec, eos_token_ids=frozenset(eos),
                        generation_defaults=defaults, max_model_len=spec.max_position_embeddings,
-                       name=name, path=path, quantization=quantization)
+                       name=name, path=path)
+
+
+def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               revision: str | None = None, tokenizer: str | None = None,
+               skip_tokenizer_init: bool = False, weights: bool = True,
+               quantization: str | None = None) -> LoadedModel:
+    """Load weights, tokenizer (unless skipped: then None) and serving facts.
+
+    `model`: directory, .gguf, hub id, or None (embedded). weights=False: everything but the weights
+    (`model` is None); parallel workers load their own shards. `quantization`: see `resolve_quantization`.
+    """
+    resolve_dtype(dtype)  # reject a bad name before any download or conversion
+    source = gguf_file(model)
+    quantization = resolve_quantization(quantization, dtype, source is not None, device)
+    if quantization is not None and not weights:
+        raise ValueError("quantized weights (--quantization) run in a single-process instance, not under TP/PP")
+    info = load_model_info(model, revision=revision, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init)
+    info.quantization = quantization
+    spec = info.spec
+    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
+        logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
+                       "differ from the reference past that length", spec.architecture, spec.sliding_window)
+    if not weights:
+        return info
+    if quantization == "gguf":
+        info.model = _build_gguf_quantized(source, spec, info.path, device)
+    else:
+        info.model = build_model(spec, info.path, resolve_dtype(dtype, device, spec.torch_dtype), device)
+        if quantization == "int8":
+            quantize_linears_int8(info.model)
+    logger.info("model weights: %.1f MiB in memory (%s)", weight_bytes(info.model) / 2**20,
+                describe_weights(info.model))
+    return info

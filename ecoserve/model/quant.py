@@ -88,12 +88,14 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> QuantLinear:
-        """Q8_0 copy of a float layer (`--quantization int8`)."""
-        q = cls(linear.in_features, linear.out_features, 8, linear.bias is not None)
+    def from_linear(cls, linear: nn.Module) -> QuantLinear:
+        """Q8_0 copy of a float linear layer (`--quantization int8`)."""
+        out_features, in_features = linear.weight.shape
+        bias = getattr(linear, "bias", None)
+        q = cls(in_features, out_features, 8, bias is not None)
         q.weight = nn.Parameter(quantize_q8_0(linear.weight.data), requires_grad=False)
-        if linear.bias is not None:
-            q.bias = nn.Parameter(linear.bias.data.float(), requires_grad=False)
+        if bias is not None:
+            q.bias = nn.Parameter(bias.data.float(), requires_grad=False)
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,34 +139,50 @@ def module_of(hf_name: str) -> str:
     return ".".join(parts)
 
 
+def _is_embedding(module: nn.Module) -> bool:
+    from ecoserve.model.parallel import VocabParallelEmbedding
+
+    return isinstance(module, (nn.Embedding, VocabParallelEmbedding))
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """nn.Linear and the single-process forms of the parallel layers (y = x W^T + b, W [out, in])."""
+    from ecoserve.model.parallel import ParallelLMHead, RowParallelLinear
+
+    return isinstance(module, (nn.Linear, RowParallelLinear, ParallelLMHead)) and getattr(module, "tp", None) is None
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
 def quantize_model_modules(model: nn.Module, types: dict[str, int]) -> list[str]:
     """Replace (on the meta device) the modules named in `types` by quantized ones; returns their names.
 
     `types` maps a module name ("layers.0.self_attn.qkv_proj", "embed_tokens", "lm_head") to a GGML type.
     """
-    replaced = []
     for name, ggml_type in types.items():
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, attr)
-        if isinstance(old, nn.Embedding):
-            new = QuantEmbedding(old.num_embeddings, old.embedding_dim, ggml_type)
-        elif isinstance(old, nn.Linear):
-            new = QuantLinear(old.in_features, old.out_features, ggml_type, old.bias is not None)
+        old = model.get_submodule(name)
+        out_features, in_features = old.weight.shape
+        if _is_embedding(old) and getattr(old, "tp", None) is None:
+            new = QuantEmbedding(out_features, in_features, ggml_type)
+        elif _is_linear(old):
+            new = QuantLinear(in_features, out_features, ggml_type, getattr(old, "bias", None) is not None)
         else:
-            raise TypeError(f"{name} is a {type(old).__name__}; only Linear and Embedding can be quantized")
-        setattr(parent, attr, new)
-        replaced.append(name)
-    return replaced
+            raise TypeError(f"{name} is a {type(old).__name__}; only single-process linear and embedding "
+                            f"layers can be quantized")
+        _replace(model, name, new)
+    return list(types)
 
 
 def quantize_linears_int8(model: nn.Module) -> int:
-    """`--quantization int8`: every nn.Linear whose input width is a multiple of 32 becomes Q8_0."""
+    """`--quantization int8`: every linear layer whose input width is a multiple of 32 becomes Q8_0
+    (the embedding stays float; a tied LM head gets its own Q8_0 copy)."""
     count = 0
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and module.in_features % BLOCK == 0:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, attr, QuantLinear.from_linear(module))
+        if _is_linear(module) and module.weight.shape[1] % BLOCK == 0:
+            _replace(model, name, QuantLinear.from_linear(module))
             count += 1
     return count
 
@@ -186,7 +204,7 @@ def describe_weights(model: nn.Module) -> str:
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             kind = QUANT_TYPES[module.ggml_type].name
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif _is_linear(module) or _is_embedding(module):
             kind = str(module.weight.dtype).removeprefix("torch.")
         else:
             continue

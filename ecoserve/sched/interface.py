@@ -1,6 +1,6 @@
 """The typed contract between a scheduler and whatever executes its batches.
 
-A real executor runs the model (ecoserve.engine.executor); a simulated one predicts the step
+A real executor runs the model (ecoserve.engine.model_runner); a simulated one predicts the step
 time from a performance model (ecoserve.sim). Schedulers see only this interface and a Clock.
 """
 from __future__ import annotations
@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from ecoserve.request import Logprobs, Request
+
+
+def is_prefill(num_tokens: int, samples: bool) -> bool:
+    """The one rule for "is this a prefill": a chunk is a decode exactly when it computes one token, the
+    request's newest, and samples after it. Prompt chunks, whole prompts and recomputation after a
+    preemption are prefills, whatever their length."""
+    return num_tokens != 1 or not samples
 
 
 class ScheduledChunk(NamedTuple):
@@ -25,11 +32,7 @@ class ScheduledChunk(NamedTuple):
 
     @property
     def is_prefill(self) -> bool:
-        return not (self.num_tokens == 1 and self.samples)
-
-    @property
-    def context_len(self) -> int:
-        return self.start + self.num_tokens
+        return is_prefill(self.num_tokens, self.samples)
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,6 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     # request_id -> KV block ids covering every scheduled token; live lists, valid until the next schedule()
     block_tables: dict[str, list[int]]
-    preempted_ids: tuple[str, ...] = ()
     finished_ids: tuple[str, ...] = ()  # requests that left since the previous step (executors drop their state)
 
     @property

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from ecoserve.sched.scheduler import decoding, prefilling
+from ecoserve.sched.step import StepBuilder, decoding, prefilling
 
-if TYPE_CHECKING:
-    from ecoserve.sched.scheduler import Scheduler, StepBuilder
+if TYPE_CHECKING:  # the scheduler imports this module; policies only receive one
+    from ecoserve.sched.scheduler import Scheduler
 
 POLICIES: dict[str, type["Policy"]] = {}
 
@@ -32,11 +32,11 @@ def make_policy(name: str) -> "Policy":
 class Policy:
     name = "base"
 
-    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+    def schedule(self, sched: "Scheduler", step: StepBuilder) -> None:
         raise NotImplementedError
 
 
-def _admit_waiting(sched: "Scheduler", step: "StepBuilder", whole_prompts: bool) -> None:
+def _admit_waiting(sched: "Scheduler", step: StepBuilder, whole_prompts: bool) -> None:
     """FCFS admission; stop at the first request that does not fit (no overtaking)."""
     while sched.waiting and not step.full():
         req = sched.waiting[0]
@@ -55,7 +55,7 @@ class PrefillFirst(Policy):
     token budget (its chunks then keep priority until the prompt is done).
     """
 
-    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+    def schedule(self, sched: "Scheduler", step: StepBuilder) -> None:
         for req in prefilling(sched.running):
             if step.full() or not sched.schedule_running(req, step):
                 break
@@ -70,7 +70,7 @@ class PrefillFirst(Policy):
 class ChunkedPrefill(Policy):
     """Sarathi style: decodes first, then ongoing prompt chunks, then new prompts, in one hybrid batch."""
 
-    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+    def schedule(self, sched: "Scheduler", step: StepBuilder) -> None:
         # Preempted requests (for an older one) are skipped.
         sched.schedule_running_all(decoding(sched.running) + prefilling(sched.running), step)
         if not step.num_preempted:  # memory is short: let running requests finish first
@@ -78,10 +78,28 @@ class ChunkedPrefill(Policy):
 
 
 @register("temporal")
-class TemporalDisaggregation(PrefillFirst):
-    """EcoServe's instance policy: prefill everything the macro scheduler admitted, else decode.
+class TemporalDisaggregation(Policy):
+    """EcoServe's instance policy: the window's prompts first, all together; otherwise decode.
 
-    The instance itself is prefill-first; phases last as long as routing makes them, because the
-    macro instance's router (Algorithm 1) admits requests to an instance in bursts. The phase and
-    the time of the last switch are reported in `Scheduler.status()`.
+    Every prompt queued at a step boundary that the window admits (`Scheduler.window`) goes into
+    the step, chunked to fill `max_num_batched_tokens`, so k prompts take ceil(tokens / budget)
+    steps; decodes wait meanwhile and resume when none is pending. A new prompt never starts
+    outside a window (the macro-instance scheduler opens and closes them: `open_window` /
+    `close_window`); a preempted request recomputes whenever it can, as it was admitted already.
     """
+
+    def schedule(self, sched: "Scheduler", step: "StepBuilder") -> None:
+        for req in prefilling(sched.running):  # prompts a window admitted, chunk after chunk
+            if step.full() or not sched.schedule_running(req, step):
+                break
+        window = sched.window
+        while sched.waiting and not step.full():
+            req = sched.waiting[0]
+            resumed = req.times.first_scheduled is not None  # preempted: recomputes whenever it can
+            if not (resumed or window.may_admit(req.request_id)) or not sched.admit(req, step):
+                break
+        if step.chunks:
+            return
+        sched.schedule_running_all(list(sched.running), step)
+
+from ecoserve.sched import tdpipe  # noqa: E402,F401  (registers "tdpipe"; it builds on Policy above)

@@ -10,69 +10,24 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from ecoserve.clock import Clock
 from ecoserve.config import CacheConfig, SchedulerConfig
 from ecoserve.kv.manager import KVCacheManager
 from ecoserve.request import Request, RequestStatus
-from ecoserve.sched.interface import ScheduledChunk, SchedulerOutput, StepResult
+from ecoserve.sched.interface import SchedulerOutput, StepResult
+from ecoserve.sched.policies import make_policy
 from ecoserve.sched.status import RequestProgress, SchedulerStatus
+from ecoserve.sched.step import StepBuilder
+from ecoserve.sched.window import PrefillWindow
 
 logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
 
 
-def prefilling(reqs) -> list[Request]:
-    """The requests with prompt (or recomputed) tokens left beyond the newest one."""
-    return [r for r in reqs if len(r.all_token_ids) - r.num_computed_tokens > 1]
-
-
-def decoding(reqs) -> list[Request]:
-    """The complement of `prefilling`, in order."""
-    return [r for r in reqs if len(r.all_token_ids) - r.num_computed_tokens <= 1]
-
-
-@dataclass
-class StepBuilder:
-    """The batch being assembled this step: chunks in order and the budget left."""
-
-    token_budget: int
-    seq_budget: int
-    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
-    num_preempted: int = 0
-    num_prefill_chunks: int = 0  # chunks with `is_prefill`, kept as they come and go
-
-    def add(self, req: Request, num_tokens: int) -> None:
-        start = req.num_computed_tokens
-        samples = start + num_tokens == len(req.all_token_ids)
-        self.chunks[req.request_id] = ScheduledChunk(req, start, num_tokens, samples)
-        if num_tokens != 1 or not samples:
-            self.num_prefill_chunks += 1
-        self.token_budget -= num_tokens
-        self.seq_budget -= 1
-
-    def remove(self, req: Request) -> None:
-        chunk = self.chunks.pop(req.request_id, None)
-        if chunk is not None:
-            self.token_budget += chunk.num_tokens
-            self.seq_budget += 1
-            if chunk.is_prefill:
-                self.num_prefill_chunks -= 1
-
-    @property
-    def has_prefill(self) -> bool:
-        return self.num_prefill_chunks > 0
-
-    def full(self) -> bool:
-        return self.token_budget <= 0 or self.seq_budget <= 0
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, clock: Clock,
                  max_model_len: int | None = None) -> None:
-        from ecoserve.sched.policies import make_policy
-
         self.config = config
         self.clock = clock
         self.max_model_len = max_model_len or config.max_model_len
@@ -84,13 +39,40 @@ class Scheduler:
         self._order: dict[str, int] = {}
         self._counter = itertools.count()
         self._finished_since_step: list[str] = []
+        # ids of requests in a batch that has been scheduled but not yet updated (batches in flight): they are
+        # neither scheduled again nor preempted until their result is back
+        self.in_flight: set[str] = set()
         self.num_preemptions_total = 0
-        self.phase = "idle"  # of the last non-empty step: "prefill" if it computed any prompt chunk, else "decode"
-        self.last_phase_switch = clock.now()
+        self._last_step_phase = "idle"  # "prefill" if the last non-empty step computed a prompt chunk, else "decode"
+        self.last_phase_switch = self.created_at = clock.now()
+        self.window = PrefillWindow()  # commanded by the macro-instance scheduler (temporal policy)
+
+    # ---- phase and window (the one definition; see sched/window.py) ------------------------
+    @property
+    def phase(self) -> str:
+        """"idle" with nothing to run, else the kind of the last step: "prefill" or "decode"."""
+        return self._last_step_phase if self.waiting or self.running else "idle"
+
+    def open_window(self) -> bool:
+        """The macro scheduler admits prompts to this instance from now on; False if already open."""
+        return self.window.open(self.clock.now(), {r.request_id: r.num_output_tokens for r in self.running})
+
+    def close_window(self) -> bool:
+        """No new prompts from now on; the ones already queued still run. False if already closed."""
+        return self.window.close(self.clock.now(), (r.request_id for r in self.waiting))
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request; reject what could never run, leaving everything else untouched."""
+        self.check_request(req)
+        if req.max_model_len is None:
+            req.max_model_len = self.max_model_len
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = next(self._counter)
+        self.waiting.append(req)
+
+    def check_request(self, req: Request) -> None:
+        """Raise ValueError if `add_request(req)` would refuse it; changes nothing."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.num_prompt_tokens == 0:
@@ -98,15 +80,10 @@ class Scheduler:
         if self.max_model_len is not None and req.num_prompt_tokens > self.max_model_len:
             raise ValueError(f"the prompt has {req.num_prompt_tokens} tokens, more than max_model_len "
                              f"({self.max_model_len})")
-        if req.max_model_len is None:
-            req.max_model_len = self.max_model_len
         capacity = self.kv.num_blocks * self.kv.block_size
         if req.num_prompt_tokens + 1 > capacity:
             raise ValueError(f"the prompt has {req.num_prompt_tokens} tokens but the KV cache holds only "
                              f"{capacity} tokens in all")
-        self.requests[req.request_id] = req
-        self._order[req.request_id] = next(self._counter)
-        self.waiting.append(req)
 
     def abort_requests(self, request_ids) -> list[Request]:
         aborted = []
@@ -129,7 +106,7 @@ class Scheduler:
                 pass
         req.status = status
         req.times.finished = self.clock.now()
-        self.kv.free(req)
+        self.kv.free(req, keep=status is RequestStatus.FINISHED_LENGTH)
         del self.requests[req.request_id]
         self._order.pop(req.request_id, None)
         self._finished_since_step.append(req.request_id)
@@ -142,54 +119,73 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- the mechanism policies use ------------------------------------------------------
+    def is_schedulable(self, req: Request) -> bool:
+        """Running and not in a batch in flight."""
+        return req.status is _RUNNING and req.request_id not in self.in_flight
+
     def schedule_running(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Give a running request its next tokens, preempting newer requests if KV runs out."""
-        # Hot path (once per request per step): plain comparisons instead of min() and properties.
-        n = len(req.all_token_ids) - req.num_computed_tokens
-        if step.token_budget < n:
-            n = step.token_budget
-        if max_tokens and max_tokens < n:
-            n = max_tokens
-        if n <= 0 or step.seq_budget <= 0:
-            return False
-        kv = self.kv
-        while not kv.allocate_slots(req, n):
-            victim = max(self.running, key=lambda r: self._order[r.request_id])
-            self.preempt(victim, step)
-            if victim is req:
-                return False
-        step.add(req, n)
-        if kv.enable_prefix_caching:
-            kv.cache_blocks(req, req.num_computed_tokens + n)
-        return True
+        self.schedule_running_all((req,), step, max_tokens)
+        return req.request_id in step.chunks
 
-    def schedule_running_all(self, reqs: list[Request], step: StepBuilder) -> None:
-        """`schedule_running` for each request in order, skipping those preempted meanwhile, until the step is full."""
-        running, preempted, kv = self.running, step.num_preempted, self.kv
-        fits, add, caching = kv.fits_in_own_blocks, step.add, kv.enable_prefix_caching
+    def schedule_running_all(self, reqs, step: StepBuilder, max_tokens: int | None = None) -> None:
+        """Give each running request in order its next tokens (at most `max_tokens`), preempting newer
+        requests if KV runs out; skips those preempted meanwhile and stops once the step is full.
+
+        The one path for running requests (a decode is a one-token chunk like any other). It runs
+        once per request per step, so it uses locals and plain comparisons instead of min() and
+        properties; a decode that fits its blocks costs one allocate_slots check and one add.
+        """
+        running, kv, in_flight = self.running, self.kv, self.in_flight
+        allocate, add, caching = kv.allocate_slots, step.add, kv.enable_prefix_caching
+        preempted = step.num_preempted
         for req in reqs:
-            if step.token_budget <= 0 or step.seq_budget <= 0:
-                break  # a full step stays full: only preemption frees budget, and it needs a schedule_running
+            budget = step.token_budget
+            if budget <= 0 or step.seq_budget <= 0:
+                break  # a full step stays full: only preemption frees budget, and that needs a request scheduled
             if step.num_preempted != preempted and req not in running:
                 continue  # preempted for an older request earlier in this loop
-            if not caching and len(req.all_token_ids) - req.num_computed_tokens == 1 and fits(req, 1):
-                add(req, 1)  # a decode in the blocks it has: what schedule_running would do, without the calls
+            if in_flight and req.request_id in in_flight:
+                continue  # its last batch has not come back yet
+            n = len(req.all_token_ids) - req.num_computed_tokens
+            if budget < n:
+                n = budget
+            if max_tokens and max_tokens < n:
+                n = max_tokens
+            if n <= 0:
+                continue
+            while not allocate(req, n):
+                victim = self._preemption_victim()
+                if victim is None:
+                    break  # everything else is in flight: wait for it
+                self.preempt(victim, step)
+                if victim is req:
+                    break
             else:
-                self.schedule_running(req, step)
+                add(req, n)
+                if caching:
+                    kv.cache_blocks(req, req.num_computed_tokens + n)
+
+    def _preemption_victim(self) -> Request | None:
+        """The newest running request that is not in a batch in flight."""
+        order, in_flight = self._order, self.in_flight
+        candidates = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
+        return max(candidates, key=lambda r: order[r.request_id]) if candidates else None
 
     def admit(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
         """Move a waiting request into running with its first chunk, if the seat, budget and KV allow."""
         if step.seq_budget <= 0 or step.token_budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return False
-        computed = self.kv.get_computed_blocks(req)
-        num_cached = len(computed) * self.kv.block_size
+        imported = req.num_computed_tokens  # > 0 only when its KV was imported (blocks adopted, see kv.adopt)
+        computed = [] if imported else self.kv.get_computed_blocks(req)
+        num_cached = imported or len(computed) * self.kv.block_size
         n = min(req.num_tokens - num_cached, step.token_budget, max_tokens or 1 << 62)
         if not self.kv.allocate_slots(req, n, computed):
             return False
         self.waiting.remove(req)
         if req.times.first_scheduled is None:
             req.times.first_scheduled = self.clock.now()
-            req.num_cached_tokens = num_cached
+            req.num_cached_tokens = len(computed) * self.kv.block_size
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -215,24 +211,33 @@ class Scheduler:
         step = StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.policy.schedule(self, step)
         chunks = tuple(step.chunks.values())
+        self.in_flight.update(step.chunks)
         if chunks:
             phase = "prefill" if step.has_prefill else "decode"
-            if phase != self.phase:
-                self.phase, self.last_phase_switch = phase, self.clock.now()
-        finished, self._finished_since_step = tuple(self._finished_since_step), []
+            if phase != self._last_step_phase:
+                self._last_step_phase, self.last_phase_switch = phase, self.clock.now()
+        # Finished ids ride only on a batch that will run (drivers skip empty ones), else on take_finished_ids().
+        finished = self.take_finished_ids() if chunks else ()
         return SchedulerOutput(
             chunks=chunks,
             block_tables=self.kv.block_tables(step.chunks),
             finished_ids=finished,
         )
 
+    def take_finished_ids(self) -> tuple[str, ...]:
+        """The ids of requests that left since they were last handed out (each id is handed out once)."""
+        finished, self._finished_since_step = tuple(self._finished_since_step), []
+        return finished
+
     def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
         """Account a finished step: advance computed tokens, append sampled tokens, finish requests."""
         now = self.clock.now()
         done = []
         sampled = result.sampled
+        in_flight = self.in_flight
         for chunk in output.chunks:
             req = chunk.request
+            in_flight.discard(req.request_id)
             if req.status is not _RUNNING:
                 continue  # finished (aborted) or preempted while the step ran
             req.num_computed_tokens += chunk.num_tokens

@@ -31,7 +31,3 @@ class SchedulerStatus:
     @property
     def free_kv_tokens(self) -> int:
         return self.num_free_blocks * self.block_size
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks

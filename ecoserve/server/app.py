@@ -1,29 +1,50 @@
 """The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus health, metrics and tokenizer routes."""
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 import ecoserve
 from ecoserve.engine.async_engine import AsyncEngine
+from ecoserve.server.auth import install_api_key
 from ecoserve.server.chat import create_chat_completion
 from ecoserve.server.completions import create_completion
 from ecoserve.server.errors import APIError, bad_request, install_error_handlers
 from ecoserve.server.metrics import ServerMetrics
 from ecoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ecoserve.server.serving import ServerState
+from ecoserve.server.tool_parsers import get_tool_parser
+
+logger = logging.getLogger(__name__)
 
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> FastAPI:
-    """An app serving `engine`; the engine thread starts with the app's lifespan and stops with it."""
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")
+
+
+def create_app(engine: AsyncEngine, served_model_name: str | None = None, generation_config: str = "auto", *,
+               api_key: str | None = None, metrics_prefix: str = "ecoserve",
+               tool_call_parser: str | None = None) -> FastAPI:
+    """An app serving `engine`; the engine thread starts with the app's lifespan and stops with it.
+
+    generation_config "auto": sampling fields a request omits take the model's generation_config.json
+    values (as vLLM's `--generation-config auto`); "vllm": they take OpenAI's defaults. `api_key`
+    guards the /v1 routes; `metrics_prefix` names the /metrics series (`vllm` for vLLM's dashboards);
+    `tool_call_parser` reads tool calls out of the text for tool_choice "auto".
+    """
+    if generation_config not in GENERATION_CONFIG_CHOICES:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
     name = served_model_name or engine.engine.model_name
     if engine.observer is None:
-        engine.observer = ServerMetrics(engine.engine, name)
-    state = ServerState(engine, name, engine.observer)
+        engine.observer = ServerMetrics(engine.engine, name, metrics_prefix)
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    state = ServerState(engine, name, engine.observer, parser, use_generation_config=generation_config == "auto")
+    _log_sampling_defaults(state, generation_config)
     created = int(time.time())
 
     @asynccontextmanager
@@ -35,14 +56,16 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> Fas
     app = FastAPI(title="ecoserve", version=getattr(ecoserve, "__version__", "0"), lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    if api_key:
+        install_api_key(app, api_key)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(raw: Request) -> Response:
-        return await create_completion(state, CompletionRequest.model_validate_json(await raw.body()), raw)
+        return await create_completion(state, CompletionRequest.parse(await raw.body()), raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(raw: Request) -> Response:
-        return await create_chat_completion(state, ChatCompletionRequest.model_validate_json(await raw.body()), raw)
+        return await create_chat_completion(state, ChatCompletionRequest.parse(await raw.body()), raw)
 
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "ecoserve",
@@ -72,9 +95,9 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> Fas
     async def version() -> dict:
         return {"version": getattr(ecoserve, "__version__", "0")}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest))
     async def tokenize(raw: Request) -> dict:
-        body = TokenizeRequest.model_validate_json(await raw.body())
+        body = TokenizeRequest.parse(await raw.body())
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
@@ -84,9 +107,9 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> Fas
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
     async def detokenize(raw: Request) -> dict:
-        body = DetokenizeRequest.model_validate_json(await raw.body())
+        body = DetokenizeRequest.parse(await raw.body())
         state.check_model(body.model)
         vocab = engine.engine.loaded.spec.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -94,5 +117,43 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None) -> Fas
             raise bad_request(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
+    _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that parses `model` itself (to keep OpenAI-shaped errors)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Add the request models (their fields, types and value ranges) to the app's /openapi.json."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _log_sampling_defaults(state: ServerState, generation_config: str) -> None:
+    model_defaults = state.engine.engine.loaded.generation_defaults
+    if state.defaults:
+        logger.info("requests that omit them get the model's generation_config.json sampling defaults: %s "
+                    "(--generation-config vllm turns this off)",
+                    ", ".join(f"{k}={v}" for k, v in sorted(state.defaults.items())))
+    elif model_defaults:
+        logger.info("--generation-config %s: ignoring the model's sampling defaults (%s); requests that omit "
+                    "them get OpenAI's (temperature=1.0, top_p=1.0)", generation_config,
+                    ", ".join(f"{k}={v}" for k, v in sorted(model_defaults.items())))
+    else:
+        logger.info("the model's generation_config.json sets no sampling defaults; requests that omit them get "
+                    "OpenAI's (temperature=1.0, top_p=1.0)")

@@ -7,9 +7,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ecoserve.request import Logprobs, RequestOutput
+from ecoserve.server.errors import bad_request
 from ecoserve.server.protocol import ChatCompletionRequest
-from ecoserve.server.serving import (ClientDisconnected, Job, ServerState, TokenText, abort_job, check_context,
-                                     merge, run_to_end, sse, sse_error, start_job, top_entries, usage)
+from ecoserve.server.tools import ToolCalling, ToolStream, check_tools, requested_structure, tool_call_spec
+from ecoserve.server.serving import (ClientDisconnected, DeltaStreams, Job, ServerState, TokenText, abort_job,
+                                     check_context, merge, run_to_end, sse, sse_error, start_job, top_entries, usage)
 
 
 def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[Logprobs], num: int) -> dict:
@@ -28,14 +30,24 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[Lo
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
     body.check()
+    check_tools(body.tools, body.tool_choice)
     state.check_model(body.model)
-    prompt = state.encode_chat(body.messages, body.add_generation_prompt, body.continue_final_message)
+    calling = ToolCalling.of(body.tools, body.tool_choice, state.tool_parser)
+    structured, param = requested_structure(body)
+    if calling.mode in ("named", "required"):
+        if structured is not None:
+            raise bad_request("a structured-output constraint cannot be combined with tool_choice "
+                              f"{calling.mode!r}: the tool call decides the output's shape", param="tool_choice")
+        structured, param = tool_call_spec(body.tools, body.tool_choice, body.parallel_tool_calls), "tools"
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if calling.mode != "text" else None
+    prompt = state.encode_chat(body.messages, body.add_generation_prompt, body.continue_final_message, tools)
     max_tokens = body.requested_max_tokens()
     check_context(len(prompt.token_ids), max_tokens, state.max_model_len, "messages")
-    params = body.sampling_params(state.defaults, max_tokens, body.num_logprobs())
+    params = body.sampling_params(state.defaults, max_tokens, body.num_logprobs(), structured=structured)
+    await state.compile_structured(params, param)
     job = start_job(state.engine, "chatcmpl", [prompt], params)
     if body.stream:
-        return StreamingResponse(_stream(state, body, job), media_type="text/event-stream")
+        return StreamingResponse(_stream(state, body, job, calling), media_type="text/event-stream")
     try:
         finals = await run_to_end(state, raw, job)
     except ClientDisconnected:
@@ -45,44 +57,55 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(state.token_text, c.token_ids, c.logprobs or [], body.top_logprobs or 0)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        message, finish_reason = calling.message(c.text, c.finish_reason)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                        "stop_reason": c.stop_reason})
     return JSONResponse({"id": job.request_id, "object": "chat.completion", "created": job.created,
                          "model": state.model_name, "choices": choices, "usage": usage(job.prompts, finals)})
 
 
-async def _stream(state: ServerState, body: ChatCompletionRequest, job: Job) -> AsyncIterator[str]:
+async def _stream(state: ServerState, body: ChatCompletionRequest, job: Job,
+                  calling: ToolCalling) -> AsyncIterator[str]:
     head = {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
             "model": state.model_name}
     # The role arrives first and alone, as OpenAI sends it.
     roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
              for i in range(job.params.n)]
     yield sse({**head, "choices": roles})
-    sent_chars: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
+    tool_streams = [ToolStream(calling) for _ in range(job.params.n)]
+    deltas = DeltaStreams()
+    unsent_logprobs: dict[int, tuple[list[int], list[Logprobs]]] = {}  # tokens whose text a tool stream holds
     final: RequestOutput | None = None
     try:
         async for _, out in merge(job.streams):
             final = out
-            choices = []
+            rounds: list[list[dict[str, Any]]] = []  # one SSE event per round: each choice at most once in it
             for c in out.outputs:
-                text = c.text[sent_chars.get(c.index, 0):]
-                closing = c.finish_reason is not None and c.index not in finished
-                if not (text or closing):
+                d = deltas.take(c.index, c)
+                if d is None:
                     continue
-                choice: dict[str, Any] = {"index": c.index, "delta": {"content": text} if text else {},
-                                          "logprobs": None, "finish_reason": c.finish_reason,
-                                          "stop_reason": c.stop_reason}
-                if body.logprobs:
-                    start = sent_tokens.get(c.index, 0)
-                    choice["logprobs"] = chat_logprobs(state.token_text, c.token_ids[start:],
-                                                       (c.logprobs or [])[start:], body.top_logprobs or 0)
-                sent_chars[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                if closing:
-                    finished.add(c.index)
-                choices.append(choice)
-            if choices:
+                tools = tool_streams[c.index]
+                pieces = tools.deltas(d.text, final=d.closing) or ([{}] if d.closing else [])
+                token_ids, logprobs = unsent_logprobs.pop(c.index, ([], []))
+                token_ids, logprobs = token_ids + d.token_ids, logprobs + d.logprobs
+                if not pieces:
+                    unsent_logprobs[c.index] = (token_ids, logprobs)
+                    continue
+                reason = c.finish_reason
+                if tools.finished_with_calls and reason == "stop":
+                    reason = "tool_calls"
+                for k, delta in enumerate(pieces):
+                    last = d.closing and k == len(pieces) - 1
+                    choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None,
+                                              "finish_reason": reason if last else None,
+                                              "stop_reason": c.stop_reason if last else None}
+                    if body.logprobs and k == 0:
+                        choice["logprobs"] = chat_logprobs(state.token_text, token_ids, logprobs,
+                                                           body.top_logprobs or 0)
+                    if k == len(rounds):
+                        rounds.append([])
+                    rounds[k].append(choice)
+            for choices in rounds:
                 yield sse({**head, "choices": choices})
         if body.stream_options is not None and body.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": usage(job.prompts, [final])})

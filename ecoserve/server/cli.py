@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Callable
+import os
+from typing import TYPE_CHECKING, Any, Callable
 
 import uvicorn
 
-from ecoserve.engine.async_engine import AsyncEngine
+from ecoserve.server.auth import API_KEY_ENV
+from ecoserve.server.tool_parsers import TOOL_PARSERS
+
+if TYPE_CHECKING:  # importing the engine pulls in torch: not for `ecoserve instance --mock-profile`
+    from ecoserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +45,25 @@ def curl_example(host: str, port: int, model: str) -> str:
 
 def run_server(args: argparse.Namespace) -> int:
     from ecoserve.cli import engine_kwargs
+    from ecoserve.engine.async_engine import AsyncEngine
     from ecoserve.engine.llm import engine_config_from_kwargs
     from ecoserve.engine.llm_engine import LLMEngine
     from ecoserve.server.app import create_app
 
-    kwargs = engine_kwargs(args)
-    kwargs["max_waiting"] = args.max_waiting_requests
-    engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
-    name = args.served_model_name or engine.engine.model_name
-    app = create_app(engine, name)
+    server_options = dict(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                          metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser)
+    if args.strategy:  # a frontend over instance processes (ecoserve.live)
+        from ecoserve.live.routes import create_cluster_app
+        from ecoserve.live.serve import make_cluster_engine
+        engine = make_cluster_engine(args)
+        name = args.served_model_name or engine.engine.model_name
+        app = create_cluster_app(engine, name, args.generation_config, **server_options)
+    else:
+        kwargs = engine_kwargs(args)
+        kwargs["max_waiting"] = args.max_waiting_requests
+        engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
+        name = args.served_model_name or engine.engine.model_name
+        app = create_app(engine, name, args.generation_config, **server_options)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
@@ -64,11 +79,23 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` "
                    "(default: the --model argument, or SmolLM2-135M-Instruct)")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: sampling fields a request omits take the model's generation_config.json values "
+                        "(the embedded model's: temperature 0.2, top_p 0.9); vllm: OpenAI's defaults "
+                        "(temperature 1.0, top_p 1.0). Default: %(default)s")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they get an error")
+    p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer <key>` on every /v1 route "
+                   f"(default: ${API_KEY_ENV} if set; /health and /metrics stay open)")
+    p.add_argument("--metrics-prefix", default="ecoserve", help="prefix of the /metrics series; `vllm` lets "
+                   "vLLM's Grafana dashboards and alerts read them unchanged")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read out of the model's text for tool_choice 'auto'")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    from ecoserve.live.serve import add_cluster_args
+    add_cluster_args(p)
     p.set_defaults(func=run_server)
     return p

@@ -8,7 +8,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ecoserve.request import Logprobs, RequestOutput
 from ecoserve.server.protocol import CompletionRequest
-from ecoserve.server.serving import (ClientDisconnected, Job, Prompt, ServerState, TokenText, abort_job,
+from ecoserve.server.tools import requested_structure
+from ecoserve.server.serving import (ClientDisconnected, DeltaStreams, Job, Prompt, ServerState, TokenText, abort_job,
                                      check_context, merge, run_to_end, sse, sse_error, start_job, usage)
 
 
@@ -50,7 +51,10 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     state.check_model(body.model)
     prompts = _prompts(state, body)
     num = body.logprobs
-    params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None)
+    structured, param = requested_structure(body)
+    params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None,
+                                  structured=structured)
+    await state.compile_structured(params, param)
     job = start_job(state.engine, "cmpl", prompts, params)
     if body.stream:
         return StreamingResponse(_stream(state, body, job), media_type="text/event-stream")
@@ -81,9 +85,7 @@ def _prompt_text(state: ServerState, prompt: Prompt) -> str:
 
 async def _stream(state: ServerState, body: CompletionRequest, job: Job) -> AsyncIterator[str]:
     n = job.params.n
-    sent_chars: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
+    deltas = DeltaStreams()
     finals: list[RequestOutput | None] = [None] * len(job.prompts)
     head = {"id": job.request_id, "object": "text_completion", "created": job.created, "model": state.model_name}
     try:
@@ -92,14 +94,11 @@ async def _stream(state: ServerState, body: CompletionRequest, job: Job) -> Asyn
             choices = []
             for c in out.outputs:
                 idx = i * n + c.index
-                first = idx not in sent_chars
-                start, tok_start = sent_chars.get(idx, 0), sent_tokens.get(idx, 0)
-                text = c.text[start:]
-                closing = c.finish_reason is not None and idx not in finished
-                if not (text or closing or (first and body.echo)):
-                    continue  # the detokenizer is holding text back (a possible stop string, a partial char)
-                tokens, lps = list(c.token_ids[tok_start:]), list((c.logprobs or [])[tok_start:])
-                if first and body.echo:
+                d = deltas.take(idx, c, force_first=body.echo)
+                if d is None:
+                    continue
+                text, tokens, lps = d.text, d.token_ids, d.logprobs
+                if d.first and body.echo:
                     text = _prompt_text(state, job.prompts[i]) + text
                     tokens = out.prompt_token_ids + tokens
                     lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
@@ -107,9 +106,6 @@ async def _stream(state: ServerState, body: CompletionRequest, job: Job) -> Asyn
                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if body.logprobs is not None:
                     choice["logprobs"] = completion_logprobs(state.token_text, tokens, lps)
-                sent_chars[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
-                if closing:
-                    finished.add(idx)
                 choices.append(choice)
             if choices:
                 yield sse({**head, "choices": choices})

@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names under an `ecoserve:` prefix, label `model_name` on all.
+"""Prometheus metrics with vLLM's names under an `ecoserve:` prefix (`vllm:` with --metrics-prefix vllm,
+so vLLM's dashboards read them unchanged), label `model_name` on all.
 
 Gauges and engine-wide counters are read from the engine when scraped; per-request histograms
 are observed on the engine thread from each step's outputs (times from the engine's monotonic
@@ -12,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ecoserve.engine.llm_engine import LLMEngine
 from ecoserve.request import RequestOutput
 
-PREFIX = "ecoserve:"
+DEFAULT_PREFIX = "ecoserve"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
@@ -22,8 +23,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 class _EngineCollector:
     """Gauges and monotonic counters the engine already keeps, read at scrape time."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: LLMEngine, model_name: str, prefix: str) -> None:
+        self.engine, self.model_name, self.prefix = engine, model_name, prefix
 
     def collect(self):
         sched, kv, stats = self.engine.scheduler, self.engine.scheduler.kv, self.engine.stats
@@ -32,7 +33,7 @@ class _EngineCollector:
                 ("num_requests_running", "Requests in the running batch.", len(sched.running)),
                 ("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting)),
                 ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", kv.usage)):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
             g.add_metric(label, value)
             yield g
         for name, doc, value in (
@@ -41,7 +42,7 @@ class _EngineCollector:
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_queries),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits),
                 ("num_preemptions", "Preemptions (by recompute).", sched.num_preemptions_total)):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             c.add_metric(label, value)
             yield c
 
@@ -49,16 +50,22 @@ class _EngineCollector:
 class ServerMetrics:
     """The /metrics registry, and the engine-thread observer that feeds its per-request histograms."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: LLMEngine | None, model_name: str, prefix: str = DEFAULT_PREFIX) -> None:
+        """`engine` None: no engine gauges (a cluster frontend registers its own collector)."""
+        if not prefix.isidentifier():
+            raise ValueError(f"the metrics prefix must be a word of letters, digits and _, got {prefix!r}")
+        prefix += ":"
+        self.prefix = prefix
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        if engine is not None:
+            self.registry.register(_EngineCollector(engine, model_name, prefix))
         self.model_name = model_name
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
+            return Histogram(prefix + name, doc, ["model_name"], registry=self.registry,
                              buckets=buckets).labels(model_name)
 
-        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        self.success = Counter(prefix + "request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
@@ -74,7 +81,7 @@ class ServerMetrics:
             m = out.metrics
             if m is None or m.first_token_time is None:
                 continue
-            num_tokens = len(out.outputs[0].token_ids)
+            num_tokens = out.outputs[0].num_tokens
             seen = self._seen.get(out.request_id)
             if seen is None:
                 self.ttft.observe(m.first_token_time - m.arrival_time)

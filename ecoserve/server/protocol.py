@@ -1,23 +1,61 @@
 """Request bodies of the OpenAI API (plus vLLM's sampling extensions) and their SamplingParams.
 
 Bodies are parsed with pydantic in strict JSON mode, so a wrong type is an error rather than a
-silent coercion; unknown fields are ignored, as OpenAI-compatible servers do. Range checks are
-left to SamplingParams, whose messages name the field.
+silent coercion; unknown fields are ignored, as OpenAI-compatible servers do. Value ranges are
+declared on the fields (so /openapi.json documents what is accepted) and a value outside one is a
+400 that states the whole range; rules across fields are left to SamplingParams.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import annotated_types
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from ecoserve.sampling import SamplingParams
 from ecoserve.server.errors import APIError, bad_request
+from ecoserve.structured import StructuredOutputsParams
 
 MAX_N = 128
 
 
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @classmethod
+    def parse(cls, body: bytes) -> Any:
+        """Validate a JSON body; a top-level value out of its declared range is a 400 naming the range."""
+        try:
+            return cls.model_validate_json(body)
+        except ValidationError as e:
+            first = (e.errors() or [{}])[0]
+            loc = first.get("loc", ())
+            if first.get("type") in _RANGE_ERRORS and len(loc) == 1 and loc[0] in cls.model_fields:
+                name = loc[0]
+                raise bad_request(f"{name} must be {_range_text(cls.model_fields[name])}, got {first['input']!r}",
+                                  param=name) from None
+            raise
+
+
+def _range_text(info: FieldInfo) -> str:
+    """">= 0", "(0, 1]", "[1, 128]": the bounds declared on a field."""
+    low = high = None
+    for m in info.metadata:
+        if isinstance(m, annotated_types.Ge):
+            low = f"[{m.ge}", f">= {m.ge}"
+        elif isinstance(m, annotated_types.Gt):
+            low = f"({m.gt}", f"> {m.gt}"
+        elif isinstance(m, annotated_types.Le):
+            high = f"{m.le}]", f"<= {m.le}"
+        elif isinstance(m, annotated_types.Lt):
+            high = f"{m.lt})", f"< {m.lt}"
+    if low and high:
+        return f"in {low[0]}, {high[0]}"
+    return (low or high)[1]
 
 
 class StreamOptions(_Body):
@@ -27,38 +65,49 @@ class StreamOptions(_Body):
 
 class _SamplingBody(_Body):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0 disable it
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_common(self) -> None:
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
-        if not 1 <= self.n <= MAX_N:
-            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (digit strings), got {key!r}",
+                                  param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {bias} for token {key}",
+                                  param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Unset fields fall back to the model's generation_config, then to OpenAI's defaults."""
         def pick(name: str, fallback: Any) -> Any:
             value = getattr(self, name)
@@ -73,7 +122,9 @@ class _SamplingBody(_Body):
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                structured_outputs=structured)
         except ValueError as e:
             raise _param_error(e) from None
 
@@ -86,9 +137,9 @@ def _param_error(e: ValueError) -> APIError:
 
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -111,6 +162,30 @@ class CompletionRequest(_SamplingBody):
         return list(p)
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: str  # only "function" is served; checked with a clear message in server/tools.py
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -120,6 +195,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -131,21 +208,17 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
     def check(self) -> None:
         self.check_common()
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):

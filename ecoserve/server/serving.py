@@ -12,7 +12,7 @@ from fastapi import Request
 
 from ecoserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
                                           EngineShutdownError)
-from ecoserve.request import RequestOutput
+from ecoserve.request import CompletionOutput, Logprobs, RequestOutput
 from ecoserve.sampling import SamplingParams
 from ecoserve.server.errors import APIError, bad_request
 
@@ -162,6 +162,47 @@ async def run_to_end(state: "ServerState", raw: Request, job: Job) -> list[Reque
         abort_job(state.engine, job)
 
 
+@dataclass
+class _Unsent:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    started: bool = False
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one streamed chunk of one choice carries."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprobs]
+    first: bool  # the choice's first chunk
+    closing: bool  # the choice's last chunk (finish_reason set)
+
+
+class DeltaStreams:
+    """Turns engine deltas into SSE chunks per choice: tokens whose text the detokenizer still holds
+    back (a possible stop string, a partial character) wait and go out with the text they make."""
+
+    def __init__(self) -> None:
+        self._choices: dict[int, _Unsent] = {}
+
+    def take(self, index: int, c: CompletionOutput, force_first: bool = False) -> ChoiceDelta | None:
+        """The chunk to send for choice `index` now, or None while there is nothing to show."""
+        st = self._choices.setdefault(index, _Unsent())
+        st.token_ids.extend(c.new_token_ids)
+        if c.new_logprobs:
+            st.logprobs.extend(c.new_logprobs)
+        closing = c.finished and not st.closed
+        first = not st.started
+        if not (c.new_text or closing or (first and force_first)):
+            return None
+        delta = ChoiceDelta(c.new_text, st.token_ids, st.logprobs, first, closing)
+        st.token_ids, st.logprobs, st.started, st.closed = [], [], True, st.closed or closing
+        return delta
+
+
 def usage(prompts: list[Prompt], outputs: list[RequestOutput | None]) -> dict[str, int]:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
@@ -203,6 +244,8 @@ class ServerState:
     engine: AsyncEngine
     model_name: str
     metrics: Any = None
+    tool_parser: Any = None  # a ToolParser for tool_choice "auto" (--tool-call-parser), or None
+    use_generation_config: bool = True  # unset sampling fields take the model's generation_config.json
     token_text: TokenText = field(init=False)
 
     def __post_init__(self) -> None:
@@ -218,7 +261,21 @@ class ServerState:
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return self.engine.engine.loaded.generation_defaults
+        """Sampling defaults for fields a request leaves unset (before OpenAI's own defaults)."""
+        return self.engine.engine.loaded.generation_defaults if self.use_generation_config else {}
+
+    async def compile_structured(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar on the grammar thread, so a bad one is a 400 before anything starts."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        guided = self.engine.engine.guided
+        if guided is None:
+            raise bad_request("structured outputs need a tokenizer, and this server has none", param=param)
+        try:
+            await asyncio.wrap_future(guided.compiler.submit(spec))
+        except ValueError as e:
+            raise bad_request(str(e), param=param) from None
 
     def check_model(self, name: str | None) -> None:
         if name not in (None, "", self.model_name):
@@ -226,16 +283,40 @@ class ServerState:
                            param="model", code="model_not_found")
 
     def encode_chat(self, messages: list[Any], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> Prompt:
-        """Apply the tokenizer's chat template; the template's own special tokens are not added twice."""
+                    continue_final_message: bool = False, tools: list[dict] | None = None) -> Prompt:
+        """Apply the tokenizer's chat template (with the tools, when given); its special tokens are not added twice."""
         tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in messages]
+        conversation = [template_message(m) for m in messages]
         try:
             text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message)
+                                           continue_final_message=continue_final_message, tools=tools)
         except Exception as e:  # template errors (e.g. roles that must alternate) are the client's to fix
             raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
         return Prompt(text, tok.encode(text, add_special_tokens=False))
+
+
+def template_message(message: Any) -> dict[str, Any]:
+    """One chat message as templates expect it: tool-call arguments as objects, tool results with their call id."""
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                           "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            call = dict(call)
+            function = dict(call.get("function") or {})
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    raise bad_request(f"tool call {call.get('id')!r}: arguments are not valid JSON",
+                                      param="messages") from None
+            call["function"] = function
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out

@@ -7,10 +7,11 @@ from pathlib import Path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    import ecoserve.sim.tdpipe_experiment  # noqa: F401  (registers the "tdpipe" experiment)
     from ecoserve.sim.experiments import EXPERIMENTS
     from ecoserve.sim.hardware import GPUS, LINKS
     from ecoserve.sim.models import MODELS
-    from ecoserve.sim.strategies import STRATEGIES
+    from ecoserve.sim.cluster import STRATEGIES
     from ecoserve.sim.workload import ARRIVALS, DATASETS
 
     p = subparsers.add_parser("simulate", help="simulate a GPU cluster serving with the live scheduling code")
@@ -33,9 +34,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo", type=float, default=None)
     p.add_argument("--tpot-slo", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--router-mode", default="paper", choices=["paper", "reference", "fixed_interval"],
+                   help="ecoserve: the macro-instance router (paper: our reading of Algorithm 1; reference: "
+                        "the authors' released scheduler); default %(default)s")
+    p.add_argument("--output-hold", default=None, choices=["on", "off"],
+                   help="ecoserve: hold the prefill instance's output (default: on in reference mode only)")
     p.add_argument("--duration", type=float, default=None,
                    help="experiments: seconds of arrivals per rate point (default 45)")
-    p.add_argument("--strategies", default=None, help="speed: comma-separated strategies")
+    p.add_argument("--strategies", default=None,
+                   help="experiments: comma-separated series (vllm, sarathi, distserve, mooncake, ecoserve "
+                        "[paper mode], ecoserve_ref [reference mode]); speed: strategies")
+    p.add_argument("--mitosis-step", type=float, default=None, help="mitosis: seconds per rate step (default 120)")
     p.add_argument("--models", default=None, help="experiments: comma-separated models (default: the paper's)")
     p.add_argument("--datasets", default=None, help="experiments: comma-separated datasets")
     p.set_defaults(func=main)
@@ -46,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     from ecoserve.sim.cluster import ClusterSpec
     from ecoserve.sim.experiments import EXPERIMENTS
     from ecoserve.sim.metrics import summarize
-    from ecoserve.sim.strategies import build
+    from ecoserve.sim.cluster import build
     from ecoserve.sim.workload import DATASETS, load_trace, synthetic
 
     out = Path(args.out)
@@ -55,8 +64,10 @@ def main(args: argparse.Namespace) -> int:
         if args.duration:
             experiments.ARRIVAL_S = args.duration
         kw = {"num_requests": args.num_requests} if args.num_requests and args.experiment != "mitosis" else {}
-        if args.strategies and args.experiment == "speed":
+        if args.strategies and args.experiment != "ablation":
             kw["strategies"] = tuple(args.strategies.split(","))
+        if args.mitosis_step and args.experiment == "mitosis":
+            kw["step_s"] = args.mitosis_step
         if args.models and args.experiment in ("overall", "scaling", "ablation"):
             kw["models"] = tuple(args.models.split(","))
         if args.datasets and args.experiment == "overall":
@@ -72,14 +83,29 @@ def main(args: argparse.Namespace) -> int:
                        network=args.network, profile=args.profile)
     wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
                                                              seed=args.seed, arrival=args.arrival, cv=args.cv)
-    res = build(args.strategy, spec, ttft, tpot).run(wl, progress=True)
+    opts = {}
+    if args.strategy == "ecoserve":
+        opts["router_mode"] = args.router_mode
+        if args.output_hold is not None:
+            opts["router"] = {"output_hold": args.output_hold == "on"}
+    res = build(args.strategy, spec, ttft, tpot, **opts).run(wl, progress=True)
     summary = summarize(res.records, ttft, tpot, res.num_submitted)
     out.mkdir(parents=True, exist_ok=True)
+    extra = {k: v for k, v in res.extra.items() if k not in ("timeline", "instances")}
     (out / "run.json").write_text(json.dumps({"summary": summary, "sim_time": res.sim_time,
-                                              "extra": {k: v for k, v in res.extra.items() if k != "timeline"}},
-                                             indent=1))
+                                              "instances": res.extra["instances"], "extra": extra}, indent=1))
     print(json.dumps(summary, indent=1))
+    print(instance_table(res.extra["instances"]))
     return 0
+
+
+def instance_table(rows: list[dict]) -> str:
+    """The per-instance summary as a text table (`-` where a strategy has no windows)."""
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    lines = [f"{'id':>3} {'busy':>6} {'windows':>8} {'mean window s':>14} {'routed':>7}"]
+    lines += [f"{r['id']:>3} {fmt(r['busy_fraction'], '.2f'):>6} {fmt(r['num_windows'], 'd'):>8} "
+              f"{fmt(r['mean_window_s'], '.2f'):>14} {fmt(r['routed_fraction'], '.3f'):>7}" for r in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # python -m ecoserve.sim.cli simulate ...

@@ -1,21 +1,30 @@
-"""Cluster simulations: instances driven by the live scheduler, routed by the cluster policies.
+"""The simulator's driver of the cluster controllers: simulated instances, KV links, metrics.
 
-`ClusterSim` holds the event plumbing and the metrics; subclasses (NoDG, FuDG, PaDG) only say where
-requests go. Everything routes through `ecoserve.cluster` and `ecoserve.sched` unchanged.
+A strategy is a controller from `ecoserve.cluster` (the same one the live frontend runs);
+`ClusterSim` turns its actions into simulated work and feeds back what happened as events. It
+holds no strategy logic: where requests go, windows, holds and mitosis are all decided above.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ecoserve.clock import VirtualClock
+from ecoserve.cluster.events import (STAGING, CloseWindow, Dispatch, FinishRequest, HoldOutput, InstanceStepped,
+                                     OpenWindow, PrefillDone, ReleaseOutput, RequestArrived, RequestFinished,
+                                     SetTimer, TimerFired, TransferDone, TransferKV)
+from ecoserve.cluster.strategies import CONTROLLERS, ControllerOptions, build_controller
 from ecoserve.config import SchedulerConfig
 from ecoserve.sim.engine import EventLoop
-from ecoserve.sim.events import Event, RequestArrival, StepEnd
+from ecoserve.sim.events import Event, LinkCompletion, RequestArrival, StepEnd, Timer
+from ecoserve.sim.hardware import gpu as get_gpu, link as get_link
 from ecoserve.sim.instance import SimInstance
 from ecoserve.sim.metrics import RequestRecord
 from ecoserve.sim.models import model as get_model
+from ecoserve.sim.network import LinkQueue
 from ecoserve.sim.perf import make_perf
 from ecoserve.sim.workload import SimRequest
+
+STRATEGIES = CONTROLLERS
 
 
 @dataclass
@@ -51,7 +60,7 @@ class SimResult:
 
 
 class ClusterSim:
-    def __init__(self, spec: ClusterSpec, ttft_slo: float, tpot_slo: float) -> None:
+    def __init__(self, spec: ClusterSpec, strategy: str, ttft_slo: float, tpot_slo: float, **options) -> None:
         self.spec = spec
         self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
         self.clock = VirtualClock()
@@ -60,69 +69,153 @@ class ClusterSim:
         self.model = get_model(spec.model)
         cap = getattr(self.perf, "kv_capacity_tokens", None) or 100_000
         self.num_blocks = max(cap // spec.block_size, 1)
+        opts = ControllerOptions(ttft_slo, tpot_slo, num_instances=spec.num_instances,
+                                 max_num_batched_tokens=spec.max_num_batched_tokens, chunk_size=spec.chunk_size,
+                                 kv_bytes_per_token=self.model.kv_bytes_per_token, **options)
+        self.controller = build_controller(strategy, opts, self.clock, self.perf.predicted_prefill_time,
+                                           statuses=self.status_of)
         self.instances: list[SimInstance] = []
+        for iid in sorted(self.controller.setups):
+            setup = self.controller.setups[iid]
+            cfg = SchedulerConfig(policy=setup.policy, max_num_seqs=spec.max_num_seqs,
+                                  max_num_batched_tokens=setup.max_num_batched_tokens or spec.max_num_batched_tokens)
+            self.instances.append(SimInstance(iid, self.perf, self.clock, cfg, self.num_blocks, spec.block_size))
+        kv_path = getattr(self.controller, "kv_path", None)
+        lk = get_link(get_gpu(spec.gpu).intra_node_link if kv_path == "intra_node" else spec.network)
+        self.links = {i: LinkQueue(lk) for i, s in self.controller.setups.items() if s.role == "prefill"}
+        self._link_next: dict[int, float | None] = {i: None for i in self.links}
+        self._nbytes: dict[str, float] = {}
         self.requests: dict[str, SimRequest] = {}
+        self.remaining: dict[str, int] = {}  # output tokens a request still has to produce (over its legs)
         self.first_token: dict[str, float] = {}
         self.records: list[RequestRecord] = []
-        self.ticks: dict[str, float] = {}
-
-    # ---- building -------------------------------------------------------------------------
-    def new_instance(self, policy: str, max_num_batched_tokens: int | None = None) -> SimInstance:
-        cfg = SchedulerConfig(policy=policy, max_num_batched_tokens=max_num_batched_tokens
-                              or self.spec.max_num_batched_tokens, max_num_seqs=self.spec.max_num_seqs)
-        inst = SimInstance(len(self.instances), self.perf, self.clock, cfg, self.num_blocks, self.spec.block_size)
-        inst.on_first_token = self._on_first_token
-        inst.on_finish = self._on_finish
-        self.instances.append(inst)
-        return inst
+        self.failed: dict[str, str] = {}
+        self.window_opens: list[tuple[float, int]] = []
+        self._held: dict[int, float] = {}  # instance -> when its output hold began
+        self._held_finished: dict[int, list[tuple[str, float | None]]] = {}
+        self._shown_decode_start: dict[str, float] = {}  # moved later by a hold
+        self._active = True
 
     def status_of(self, iid: int):
         return self.instances[iid].status()
 
-    # ---- events ---------------------------------------------------------------------------
-    def dispatch(self, inst: SimInstance, req: SimRequest, max_tokens: int | None = None, imported: int = 0,
-                 prompt_len: int | None = None) -> list[Event]:
-        inst.add(req.request_id, prompt_len or req.input_len, max_tokens or req.output_len, imported)
-        return self.kick(inst)
+    # ---- actions -> simulated work ---------------------------------------------------------------
+    def apply(self, actions) -> list[Event]:
+        events: list[Event] = []
+        for a in actions:
+            t = type(a)
+            if t is Dispatch:
+                inst = self.instances[a.instance_id]
+                req = self.requests[a.request_id]
+                inst.add(a.request_id, req.input_len + 1 if a.imported_tokens else req.input_len, a.max_tokens,
+                         a.imported_tokens)
+                events.extend(self.kick(inst))
+            elif t is TransferKV:
+                self._nbytes[a.request_id] = a.nbytes
+                self.links[a.src].start(a.request_id, a.nbytes, self.clock.now())
+            elif t is OpenWindow:
+                inst = self.instances[a.instance_id]
+                inst.open_window()
+                self.window_opens.append((self.clock.now(), a.instance_id))
+                events.extend(self.kick(inst))
+            elif t is CloseWindow:
+                self.instances[a.instance_id].close_window()
+            elif t is HoldOutput:
+                self._held.setdefault(a.instance_id, self.clock.now())
+            elif t is ReleaseOutput:
+                events.extend(self._release(a.instance_id))
+            elif t is SetTimer:
+                if self._active:
+                    events.append(Timer(max(a.time, self.clock.now()), a.name))
+            elif t is FinishRequest:
+                self.failed[a.request_id] = a.reason
+                self.requests.pop(a.request_id, None)
+        return events
 
     def kick(self, inst: SimInstance) -> list[Event]:
         end = inst.try_start()
         return [StepEnd(end, inst)] if end is not None else []
 
+    # ---- simulator events -> controller events ---------------------------------------------------
     def on_arrival(self, req: SimRequest) -> list[Event]:
-        raise NotImplementedError
+        self.requests[req.request_id] = req
+        self.remaining[req.request_id] = req.output_len
+        return self.apply(self.controller.handle(
+            RequestArrived(req.request_id, req.input_len, req.output_len, req.arrival_time)))
 
     def on_step_end(self, inst: SimInstance) -> list[Event]:
-        inst.finish_step()
-        events = self.after_step(inst)
+        first, finished = inst.finish_step()
+        now = self.clock.now()
+        for r in first:
+            self.first_token.setdefault(r.request_id, now)
+        events: list[Event] = []
+        iid = inst.instance_id
+        for r in finished:
+            rid = r.request_id
+            left = self.remaining[rid] - r.num_output_tokens
+            self.remaining[rid] = left
+            ds = inst.decode_start.pop(rid, None)
+            if left > 0:  # FuDG: the prefill leg is done, the decode leg follows elsewhere
+                events.extend(self.apply(self.controller.handle(PrefillDone(rid, iid, r.num_prompt_tokens))))
+            elif iid in self._held:
+                self._held_finished.setdefault(iid, []).append((rid, ds))
+            else:
+                events.extend(self.record(rid, iid, ds))
+        events.extend(self.apply(self.controller.handle(InstanceStepped(iid))))
+        if iid in self.links:
+            events.extend(self._schedule_link(iid))
         events.extend(self.kick(inst))
         return events
 
-    def after_step(self, inst: SimInstance) -> list[Event]:
-        return []
+    def on_link(self, lid: int) -> list[Event]:
+        self._link_next[lid] = None
+        events: list[Event] = []
+        for rid in self.links[lid].advance_to(self.clock.now()):
+            done = TransferDone(rid, lid, STAGING, self._nbytes.pop(rid))
+            events.extend(self.apply(self.controller.handle(done)))
+        return events + self._schedule_link(lid)
 
-    def on_tick(self, name: str) -> list[Event]:
-        return []
+    def _schedule_link(self, lid: int) -> list[Event]:
+        t = self.links[lid].next_completion()
+        if t is None or t == self._link_next[lid]:
+            return []
+        self._link_next[lid] = t
+        return [LinkCompletion(max(t, self.clock.now()), lid)]
 
-    def keep_ticking(self, name: str) -> bool:
-        return self._active
+    def on_timer(self, name: str) -> list[Event]:
+        return self.apply(self.controller.handle(TimerFired(name))) if self._active else []
 
-    def on_transfer_tick(self, link_id) -> list[Event]:
-        return []
+    # ---- output hold and metrics -----------------------------------------------------------------
+    def _release(self, iid: int) -> list[Event]:
+        """Flush what the instance held: its clients see those tokens now."""
+        since = self._held.pop(iid, None)
+        if since is None:
+            return []
+        now = self.clock.now()
+        inst = self.instances[iid]
+        for rid, ds in inst.decode_start.items():
+            if ds >= since:
+                self._shown_decode_start[rid] = now
+        for r in inst.sched.running:
+            if self.first_token.get(r.request_id, -1.0) >= since:
+                self.first_token[r.request_id] = now
+        events: list[Event] = []
+        for rid, ds in self._held_finished.pop(iid, []):
+            if self.first_token.get(rid, -1.0) >= since:
+                self.first_token[rid] = now
+            events.extend(self.record(rid, iid, now if ds is not None and ds >= since else ds))
+        return events
 
-    # ---- lifecycle callbacks ----------------------------------------------------------------
-    def _on_first_token(self, inst: SimInstance, r) -> None:
-        self.first_token.setdefault(r.request_id, self.clock.now())
-
-    def _on_finish(self, inst: SimInstance, r) -> None:
-        self.record(r.request_id, inst.decode_start.get(r.request_id))
-
-    def record(self, rid: str, decode_start: float | None) -> None:
+    def record(self, rid: str, iid: int, decode_start: float | None) -> list[Event]:
         req = self.requests.pop(rid)
+        self.remaining.pop(rid, None)
         now = self.clock.now()
         ft = self.first_token.pop(rid, now)
-        self.records.append(RequestRecord(rid, req.arrival_time, ft, decode_start if decode_start is not None else ft,
-                                          now, req.input_len, req.output_len))
+        ds = self._shown_decode_start.pop(rid, decode_start)
+        ds = ds if ds is not None else ft
+        rec = RequestRecord(rid, req.arrival_time, ft, ds, now, req.input_len, req.output_len)
+        self.records.append(rec)
+        return self.apply(self.controller.handle(RequestFinished(rid, iid, rec.ttft)))
 
     # ---- running --------------------------------------------------------------------------
     def run(self, workload: list[SimRequest], horizon: float | None = None, progress: bool = False) -> SimResult:
@@ -131,33 +224,56 @@ class ClusterSim:
         until = last + (horizon if horizon is not None else max(120.0, 20 * self.ttft_slo))
         self._active = True
         self.loop.push(RequestArrival(r.arrival_time, r) for r in workload)
-        for name, period in self.ticks.items():
-            from ecoserve.sim.events import Tick
-            self.loop.push(Tick(period, name, period))
+        self.loop.push(self.apply(self.controller.start()))
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(workload), unit="req", desc=type(self).__name__, mininterval=1.0)
+            bar = tqdm(total=len(workload), unit="req", desc=type(self.controller).__name__, mininterval=1.0)
         done_before = 0
+        total = len(workload)
 
         def on_event(_e) -> None:
             nonlocal done_before
-            n = len(self.records)
-            if n != done_before:
+            n = len(self.records) + len(self.failed)
+            if bar is not None and n != done_before:
                 bar.update(n - done_before)
                 done_before = n
-            if n >= len(workload):
+            if n >= total:
                 self._active = False
 
-        def watch(_e) -> None:
-            if len(self.records) >= len(workload):
-                self._active = False
-
-        self.loop.run(self, until=until, progress=on_event if bar else watch)
+        self.loop.run(self, until=until, progress=on_event)
         if bar is not None:
             bar.close()
-        return SimResult(self.records, len(workload), self.clock.now(), self.loop.num_handled, self.summary())
+        return SimResult(self.records, total, self.clock.now(), self.loop.num_handled, self.summary())
+
+    def instance_summaries(self) -> list[dict]:
+        """Per instance: busy fraction, windows (null without router-commanded windows), share of dispatches."""
+        now = max(self.clock.now(), 1e-9)
+        windows = self.controller.has_windows
+        sent = self.controller.num_dispatched
+        total = max(sum(sent.values()), 1)
+        return [{"id": i.instance_id, "busy_fraction": i.busy_time / now,
+                 "num_windows": i.sched.window.num_windows if windows else None,
+                 "mean_window_s": i.sched.window.mean_open_s() if windows else None,
+                 "routed_fraction": sent.get(i.instance_id, 0) / total} for i in self.instances]
 
     def summary(self) -> dict:
-        busy = [i.busy_time / max(self.clock.now(), 1e-9) for i in self.instances]
-        return {"instance_busy_frac": busy, "num_steps": sum(i.num_steps for i in self.instances)}
+        out = {"instances": self.instance_summaries(), "num_steps": sum(i.num_steps for i in self.instances)}
+        if self.links:
+            out["kv_transferred_gb"] = self.controller.transferred_bytes / 1e9
+        if getattr(self.controller, "mitosis", None) is not None:
+            out["timeline"] = self.controller.timeline
+        if self.failed:
+            out["failed"] = dict(self.failed)
+        return out
+
+
+def build(name: str, spec: ClusterSpec, ttft_slo: float, tpot_slo: float, **options) -> ClusterSim:
+    """A simulated cluster running strategy `name`; `options` are `ControllerOptions` fields.
+
+    Lists are accepted for `macro_sizes` and `pd`.
+    """
+    for key in ("macro_sizes", "pd"):
+        if options.get(key) is not None:
+            options[key] = tuple(options[key])
+    return ClusterSim(spec, name, ttft_slo, tpot_slo, **options)

@@ -44,8 +44,8 @@ class StepEnd(Event):
         return sim.on_step_end(self.instance)
 
 
-class TransferDone(Event):
-    """A KV transfer (FuDG) finished on a link."""
+class LinkCompletion(Event):
+    """A KV transfer (FuDG) may have finished on a link."""
 
     priority = 20
 
@@ -54,7 +54,7 @@ class TransferDone(Event):
         self.link_id = link_id
 
     def handle(self, sim) -> Iterable[Event]:
-        return sim.on_transfer_tick(self.link_id)
+        return sim.on_link(self.link_id)
 
 
 class RequestArrival(Event):
@@ -68,17 +68,14 @@ class RequestArrival(Event):
         return sim.on_arrival(self.request)
 
 
-class Tick(Event):
-    """A periodic control action (mitosis check, fixed-interval routing, metric sampling)."""
+class Timer(Event):
+    """A timer a controller set (`SetTimer`): mitosis checks, fixed-interval routing, output-hold release."""
 
     priority = 40
 
-    def __init__(self, time: float, name: str, period: float) -> None:
+    def __init__(self, time: float, name: str) -> None:
         super().__init__(time)
-        self.name, self.period = name, period
+        self.name = name
 
     def handle(self, sim) -> Iterable[Event]:
-        follow = list(sim.on_tick(self.name) or ())
-        if sim.keep_ticking(self.name):
-            follow.append(Tick(self.time + self.period, self.name, self.period))
-        return follow
+        return sim.on_timer(self.name)

@@ -1,8 +1,9 @@
 """Named experiments reproducing EcoServe's evaluation in simulation; each writes JSON and a PNG.
 
-Every point is a whole simulation through the live scheduler and the cluster policies. Sizes are
-kept small by default (a few hundred requests per rate point) so that runs finish on a laptop;
-raise `num_requests` for tighter numbers.
+Every point is a whole simulation through the live scheduler and the cluster controllers. Sizes
+are kept small by default (a few hundred requests per rate point) so that runs finish on a laptop;
+raise `num_requests` for tighter numbers. A *series* is a strategy with options: `ecoserve` is the
+paper-mode router, `ecoserve_ref` the authors' released scheduler (reference mode).
 """
 from __future__ import annotations
 
@@ -14,13 +15,18 @@ from pathlib import Path
 from ecoserve.sim.cluster import ClusterSpec
 from ecoserve.sim.metrics import TARGETS, attainment, goodput, summarize
 from ecoserve.sim.models import model as get_model
-from ecoserve.sim.registry import Registry
-from ecoserve.sim.strategies import build
+from ecoserve.registry import Registry
+from ecoserve.sim.cluster import build
 from ecoserve.sim.workload import DATASETS, rate_schedule, synthetic
 
 EXPERIMENTS: Registry = Registry("experiment")
 PAPER_TP = {"llama-30b": 4, "codellama-34b": 4, "qwen2-72b": 8}
 MOONCAKE_PD = [(3, 5), (5, 3)]
+SERIES = {"vllm": ("vllm", {}), "sarathi": ("sarathi", {}), "distserve": ("distserve", {}),
+          "mooncake": ("mooncake", {}), "ecoserve": ("ecoserve", {"router_mode": "paper"}),
+          "ecoserve_ref": ("ecoserve", {"router_mode": "reference"})}
+ALL = ("vllm", "sarathi", "distserve", "mooncake", "ecoserve", "ecoserve_ref")
+ECO = ("ecoserve", "ecoserve_ref")
 ARRIVAL_S = 45.0  # default seconds of arrivals per rate point (`ecoserve simulate ... --duration`)
 
 
@@ -66,10 +72,14 @@ def _best_mooncake(spec, dataset, **kw) -> dict:
     return best
 
 
-def _goodput_any(strategy, spec, dataset, **kw) -> dict:
+def _goodput_any(series, spec, dataset, **kw) -> dict:
+    strategy, opts = SERIES[series]
     if strategy == "mooncake":
         return _best_mooncake(spec, dataset, **kw)
-    return find_goodput(strategy, spec, dataset, **kw)
+    if strategy == "ecoserve" and "router" in kw:  # an ablation variant: mode from the series unless given
+        kw = {**kw, "router_mode": kw["router"].get("mode", opts["router_mode"]),
+              "router": {k: v for k, v in kw["router"].items() if k != "mode"}}
+    return find_goodput(strategy, spec, dataset, **{**opts, **kw})
 
 
 def _save(out: Path, name: str, data: dict) -> Path:
@@ -100,7 +110,7 @@ def _bar_plot(out: Path, name: str, groups: dict[str, dict[str, float]], ylabel:
 
 @EXPERIMENTS.register("overall")
 def overall(out: Path, models=("llama-30b", "codellama-34b", "qwen2-72b"), datasets=("alpaca", "sharegpt", "longbench"),
-            strategies=("vllm", "sarathi", "distserve", "mooncake", "ecoserve"), target="p90", num_requests=400) -> dict:
+            strategies=ALL, target="p90", num_requests=400) -> dict:
     """Fig. 8-9: P90 goodput of every strategy on the L20 cluster (8 instances, 10 GbE)."""
     res: dict = {}
     for m in models:
@@ -113,12 +123,14 @@ def overall(out: Path, models=("llama-30b", "codellama-34b", "qwen2-72b"), datas
                 res[key][s] = _goodput_any(s, l20_spec(m), d, target=target, num_requests=num_requests)
                 print(f"{key:28s} {s:10s} {res[key][s]['goodput']:.2f} req/s", flush=True)
     ratios = {}
-    for s in strategies:
-        if s == "ecoserve":
-            continue
-        vals = [res[k]["ecoserve"]["goodput"] / res[k][s]["goodput"] for k in res
-                if s in res[k] and res[k][s]["goodput"] > 0]
-        ratios[s] = sum(vals) / len(vals) if vals else None
+    for e in (x for x in ECO if x in strategies):
+        ratios[e] = {}
+        for s in strategies:
+            if s in ECO:
+                continue
+            vals = [res[k][e]["goodput"] / res[k][s]["goodput"] for k in res
+                    if s in res[k] and res[k][s]["goodput"] > 0]
+            ratios[e][s] = sum(vals) / len(vals) if vals else None
     data = {"target": target, "num_requests": num_requests, "results": res, "ecoserve_over": ratios}
     _save(out, "overall", data)
     _bar_plot(out, "overall", {k: {s: v["goodput"] for s, v in r.items()} for k, r in res.items()}, "P90 goodput (req/s)")
@@ -135,7 +147,7 @@ def plot_overall_vs_vllm(out: Path, data: dict) -> None:
 
 @EXPERIMENTS.register("slo")
 def slo_sensitivity(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
-                    strategies=("vllm", "sarathi", "distserve", "mooncake", "ecoserve")) -> dict:
+                    strategies=ALL) -> dict:
     """Fig. 10: P99 goodput as the SLOs tighten (paper: A800; here the L20 cluster)."""
     slos = [(5, 0.1), (3, 0.08), (3, 0.05), (1, 0.08), (1, 0.05)]
     res = {s: {f"{a}s/{int(b * 1000)}ms": _goodput_any(s, l20_spec(model), dataset, target="p99", ttft=a, tpot=b,
@@ -150,7 +162,7 @@ def slo_sensitivity(out: Path, model="codellama-34b", dataset="sharegpt", num_re
 
 @EXPERIMENTS.register("burstiness")
 def burstiness(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
-               strategies=("vllm", "sarathi", "distserve", "mooncake", "ecoserve")) -> dict:
+               strategies=ALL) -> dict:
     """Fig. 11: P99 goodput under Gamma arrivals with CV 1.2 -> 2.0 (same mean rate)."""
     cvs = [1.2, 1.5, 2.0]
     res = {s: {str(cv): _goodput_any(s, l20_spec(model), dataset, target="p99", arrival="gamma", cv=cv,
@@ -163,46 +175,52 @@ def burstiness(out: Path, model="codellama-34b", dataset="sharegpt", num_request
 
 
 @EXPERIMENTS.register("scaling")
-def static_scaling(out: Path, models=("codellama-34b", "qwen2-72b"), dataset="sharegpt", num_requests=400) -> dict:
-    """Fig. 12: EcoServe P90 goodput with 1..4 instances in one macro instance."""
-    res = {m: {n: find_goodput("ecoserve", l20_spec(m, n), dataset, num_requests=num_requests)["goodput"]
-               for n in (1, 2, 3, 4)} for m in models}
-    ratio = {m: v[4] / v[1] if v[1] else None for m, v in res.items()}
+def static_scaling(out: Path, models=("codellama-34b", "qwen2-72b"), dataset="sharegpt", num_requests=400,
+                   strategies=ECO) -> dict:
+    """Fig. 12: EcoServe P90 goodput with 1..4 instances in one macro instance (each router mode)."""
+    res = {f"{m}/{e}": {n: _goodput_any(e, l20_spec(m, n), dataset, num_requests=num_requests)["goodput"]
+                        for n in (1, 2, 3, 4)} for m in models for e in strategies}
+    ratio = {k: v[4] / v[1] if v[1] else None for k, v in res.items()}
     data = {"dataset": dataset, "goodput_p90": res, "scale_1_to_4": ratio}
     _save(out, "scaling", data)
-    _bar_plot(out, "scaling", {f"{n} inst": {m: res[m][n] for m in res} for n in (1, 2, 3, 4)}, "P90 goodput (req/s)")
+    _bar_plot(out, "scaling", {f"{n} inst": {k: res[k][n] for k in res} for n in (1, 2, 3, 4)}, "P90 goodput (req/s)")
     return data
 
 
 @EXPERIMENTS.register("mitosis")
-def dynamic_mitosis(out: Path, model="codellama-34b", dataset="sharegpt", step_s=120.0, window_s=30.0) -> dict:
-    """Fig. 13: rate 20 -> 50 req/s in 2-minute steps; mitosis from 8 instances up to 16 (N_l=6, N_u=11)."""
+def dynamic_mitosis(out: Path, model="codellama-34b", dataset="sharegpt", step_s=120.0, window_s=30.0,
+                    strategies=ECO) -> dict:
+    """Fig. 13: rate 20 -> 50 req/s in steps of `step_s`; mitosis from 8 instances up to 16 (N_l=6, N_u=11)."""
     rates = [20, 25, 30, 35, 40, 45, 50]
     wl = rate_schedule(dataset, [(r, step_s) for r in rates], seed=0)
     ds = DATASETS.get(dataset)
-    sim = build("ecoserve", l20_spec(model), ds.ttft_slo, ds.tpot_slo, total_instances=16, macro_sizes=[8],
-                mitosis=dict(n_lower=6, n_upper=11, cooldown_s=15.0), mitosis_period=5.0)
-    res = sim.run(wl, horizon=60.0, progress=False)
-    end = step_s * len(rates)
-    series = []
-    for k in range(int(end // window_s)):
-        a, b = k * window_s, (k + 1) * window_s
-        recs = [r for r in res.records if a <= r.arrival < b]
-        sub = sum(1 for r in wl if a <= r.arrival_time < b)
-        tl = [t for t in res.extra["timeline"] if t["time"] <= b]
-        series.append({"t": b, "rate": rates[min(int(a // step_s), len(rates) - 1)],
-                       "attainment": attainment(recs, ds.ttft_slo, ds.tpot_slo, sub),
-                       "instances": tl[-1]["active"] if tl else 8, "sizes": tl[-1]["sizes"] if tl else [8]})
-    data = {"model": model, "series": series}
+    data = {"model": model, "step_s": step_s, "series": {}}
+    for e in strategies:
+        sim = build("ecoserve", l20_spec(model), ds.ttft_slo, ds.tpot_slo, total_instances=16, macro_sizes=[8],
+                    mitosis=dict(n_lower=6, n_upper=11, cooldown_s=15.0), mitosis_period=5.0, **SERIES[e][1])
+        res = sim.run(wl, horizon=60.0, progress=False)
+        end = step_s * len(rates)
+        series = []
+        for k in range(int(end // window_s)):
+            a, b = k * window_s, (k + 1) * window_s
+            recs = [r for r in res.records if a <= r.arrival < b]
+            sub = sum(1 for r in wl if a <= r.arrival_time < b)
+            tl = [t for t in res.extra["timeline"] if t["time"] <= b]
+            series.append({"t": b, "rate": rates[min(int(a // step_s), len(rates) - 1)],
+                           "attainment": attainment(recs, ds.ttft_slo, ds.tpot_slo, sub),
+                           "instances": tl[-1]["active"] if tl else 8, "sizes": tl[-1]["sizes"] if tl else [8]})
+        data["series"][e] = series
     _save(out, "mitosis", data)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    ts = [s["t"] for s in series]
-    ax.plot(ts, [s["attainment"] for s in series], "o-", label="attainment")
     ax2 = ax.twinx()
-    ax2.step(ts, [s["instances"] for s in series], "r-", where="post", label="instances")
+    for e, series in data["series"].items():
+        ts = [s["t"] for s in series]
+        ax.plot(ts, [s["attainment"] for s in series], "o-", label=f"attainment {e}")
+        ax2.step(ts, [s["instances"] for s in series], "--", where="post", label=f"instances {e}")
+    ax.legend(fontsize=7)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("SLO attainment")
     ax2.set_ylabel("instances")
@@ -213,17 +231,39 @@ def dynamic_mitosis(out: Path, model="codellama-34b", dataset="sharegpt", step_s
 
 
 @EXPERIMENTS.register("ablation")
-def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requests=400) -> dict:
-    """Figs. 15-16: cyclic vs random order; Algorithm 1 vs fixed-interval routing; mean vs min slack."""
-    variants = {"algorithm1": {}, "random_order": {"order": "random"}, "min_slack": {"slack": "min"},
-                "phase_slack": {"slack": "phase"},
-                **{f"fixed_{f}": {"mode": "fixed_interval", "interval_frac": f} for f in (0.25, 0.5, 0.75, 1.0)}}
-    res = {m: {t: {v: find_goodput("ecoserve", l20_spec(m), dataset, target=t, num_requests=num_requests,
+def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requests=400,
+              fixed=(0.25, 0.5, 0.75, 1.0)) -> dict:
+    """Figs. 15-16: cyclic vs random order; Algorithm 1 vs fixed-interval routing; slack rules; hold."""
+    variants = {"paper": {}, "reference": {"mode": "reference"}, "random_order": {"order": "random"},
+                "min_slack": {"slack": "min"}, "phase_slack": {"slack": "phase"},
+                "paper_hold": {"output_hold": True}, "reference_no_hold": {"mode": "reference", "output_hold": False},
+                **{f"fixed_{f}": {"mode": "fixed_interval", "interval_frac": f} for f in fixed}}
+    res = {m: {t: {v: _goodput_any("ecoserve", l20_spec(m), dataset, target=t, num_requests=num_requests,
                                    router=kw)["goodput"] for v, kw in variants.items()} for t in ("p90", "p99")}
            for m in models}
     data = {"dataset": dataset, "goodput": res}
     _save(out, "ablation", data)
     _bar_plot(out, "ablation", {f"{m} {t}": res[m][t] for m in res for t in res[m]}, "goodput (req/s)")
+    return data
+
+
+STEP_COSTS = ((0.0, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005))  # (prompt-step overhead s, s per hybrid decode)
+
+
+@EXPERIMENTS.register("stepcost")
+def step_cost_sweep(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
+                    strategies=("vllm", "sarathi", "ecoserve", "ecoserve_ref"), costs=STEP_COSTS) -> dict:
+    """P90 goodput as steps that carry prompt tokens cost more (`StepTypeCosts`), for each series."""
+    res = {}
+    for overhead, hybrid in costs:
+        key = f"{overhead * 1e3:g}ms+{hybrid * 1e3:g}ms/dec"
+        spec = l20_spec(model, perf_knobs={"step_costs": {"prompt_step_overhead_s": overhead,
+                                                          "hybrid_decode_token_s": hybrid}})
+        res[key] = {s: _goodput_any(s, spec, dataset, num_requests=num_requests)["goodput"] for s in strategies}
+        print(f"{key:18s} " + " ".join(f"{s}={v:.1f}" for s, v in res[key].items()), flush=True)
+    data = {"model": model, "dataset": dataset, "goodput_p90": res}
+    _save(out, "stepcost", data)
+    _bar_plot(out, "stepcost", res, "P90 goodput (req/s)")
     return data
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ecoserve.sim.registry import Registry
+from ecoserve.registry import Registry
 
 GB = 1e9
 TFLOPS = 1e12

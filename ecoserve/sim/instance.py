@@ -1,10 +1,8 @@
 """A simulated instance: the live `Scheduler` driven by a `SimulatedExecutor` on virtual time."""
 from __future__ import annotations
 
-from typing import Callable
-
 from ecoserve.clock import VirtualClock
-from ecoserve.cluster.status import InstanceStatus, RequestState
+from ecoserve.cluster.status import InstanceStatus, instance_status
 from ecoserve.config import CacheConfig, SchedulerConfig
 from ecoserve.request import Request
 from ecoserve.sampling import SamplingParams
@@ -23,15 +21,13 @@ class SimulatedExecutor:
         self.perf = perf
         self.token_id = token_id
         self.imported: dict[str, int] = {}  # request id -> tokens whose KV was transferred in
-        self.has_prefill = False  # of the last batch: computed a prompt chunk (imported KV excluded)
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
-        tokens = seqs = sampled_n = kv = 0
+        tokens = seqs = sampled_n = kv = prompt_tokens = 0
         pairs = 0.0
         sampled = {}
         imported = self.imported
         token_id = self.token_id
-        has_prefill = False
         for c in batch.chunks:
             rid = c.request.request_id
             start, q = c.start, c.num_tokens
@@ -40,8 +36,6 @@ class SimulatedExecutor:
                 if start < free_upto:
                     q -= min(free_upto, start + q) - start
                     start = min(free_upto, start + c.num_tokens)
-            elif q != 1 or not c.samples:
-                has_prefill = True
             if c.samples:
                 sampled[rid] = token_id
                 sampled_n += 1
@@ -49,24 +43,23 @@ class SimulatedExecutor:
                 continue
             tokens += q
             seqs += 1
-            if q == 1:
+            if q == 1 and c.samples:
                 pairs += start + 1
             else:
+                prompt_tokens += q
                 pairs += q * start + q * (q + 1) / 2
             kv += start + q
-        self.has_prefill = has_prefill
-        dur = self.perf.work_time(StepWork(tokens, seqs, sampled_n, pairs, kv)) if tokens else 0.0
+        dur = self.perf.work_time(StepWork(tokens, seqs, sampled_n, pairs, kv, prompt_tokens)) if tokens else 0.0
         return StepResult(sampled=sampled, duration=dur)
 
 
 class SimInstance:
-    """One model instance in virtual time; reports `InstanceStatus` and lifecycle callbacks."""
+    """One model instance in virtual time: a scheduler, its executor, and step bookkeeping."""
 
     def __init__(self, instance_id: int, perf, clock: VirtualClock, sched_config: SchedulerConfig,
                  num_blocks: int, block_size: int = 16, max_model_len: int | None = None) -> None:
         self.instance_id = instance_id
         self.clock = clock
-        self.perf = perf
         self.executor = SimulatedExecutor(perf)
         self.sched = Scheduler(sched_config, CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
                                                          enable_prefix_caching=False),
@@ -75,33 +68,32 @@ class SimInstance:
         self._out: SchedulerOutput | None = None
         self._result: StepResult | None = None
         self._first: list[Request] = []  # requests whose first token the running step samples
-        self.routed_time: dict[str, float] = {}
         self.decode_start: dict[str, float] = {}
-        self.t_switch = clock.now()
-        self._tokens_at_switch: dict[str, int] = {}  # request id -> output tokens at t_switch
-        self._last_phase = "idle"
         self._status: InstanceStatus | None = None
         self.busy_time = 0.0
         self.num_steps = 0
-        # Callbacks the cluster sets: (instance, request) on first token, on finish.
-        self.on_first_token: Callable[["SimInstance", Request], None] | None = None
-        self.on_finish: Callable[["SimInstance", Request], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, request_id: str, prompt_len: int, max_tokens: int, imported_tokens: int = 0) -> Request:
-        now = self.clock.now()
         req = Request(request_id, [0] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                      arrival_time=now)
+                      arrival_time=self.clock.now())
         if imported_tokens:
             self.executor.imported[request_id] = imported_tokens
         self.sched.add_request(req)
-        self.routed_time[request_id] = now
         self._status = None
         return req
 
     @property
     def num_unfinished(self) -> int:
         return self.sched.num_unfinished
+
+    def open_window(self) -> None:
+        self.sched.open_window()
+        self._status = None
+
+    def close_window(self) -> None:
+        self.sched.close_window()
+        self._status = None
 
     # ---- steps ----------------------------------------------------------------------------
     def try_start(self) -> float | None:
@@ -124,48 +116,24 @@ class SimInstance:
                 if not req.output_token_ids:
                     first.append(req)
         result = self.executor.execute(out)
-        phase = "prefill" if self.executor.has_prefill else "decode"
-        if phase == "decode" and self._last_phase != "decode":
-            self.t_switch = now  # prefill -> decode: the next admission window starts here
-            self._tokens_at_switch = {r.request_id: len(r.output_token_ids) for r in self.sched.running}
-        self._last_phase = phase
         self._out, self._result, self.busy = out, result, True
         self.busy_time += result.duration
         self.num_steps += 1
         self._status = None
         return now + max(result.duration, 1e-9)
 
-    def finish_step(self) -> list[Request]:
+    def finish_step(self) -> tuple[list[Request], list[Request]]:
+        """Account the step that ended: (requests that got their first token, requests that finished)."""
         out, result, first = self._out, self._result, self._first
         self._out = self._result = None
         self.busy = False
         finished = self.sched.update(out, result)
-        if self.on_first_token is not None:
-            for req in first:
-                self.on_first_token(self, req)
         for req in finished:
             self.executor.imported.pop(req.request_id, None)
-            self.routed_time.pop(req.request_id, None)
-            if self.on_finish is not None:
-                self.on_finish(self, req)
-            self.decode_start.pop(req.request_id, None)
         self._status = None
-        return finished
+        return first, finished
 
-    # ---- status ---------------------------------------------------------------------------
     def status(self) -> InstanceStatus:
-        if self._status is not None:
-            return self._status
-        s, rt = self.sched, self.routed_time
-        tas = self._tokens_at_switch
-        reqs = [RequestState(r.request_id, rt[r.request_id], len(r.prompt_token_ids), r.times.first_token,
-                             len(r.output_token_ids), tas.get(r.request_id, 0)) for r in s.running]
-        queued = 0
-        for r in s.waiting:
-            reqs.append(RequestState(r.request_id, rt[r.request_id], len(r.prompt_token_ids), r.times.first_token,
-                                     len(r.output_token_ids)))
-            queued += len(r.all_token_ids) + 1
-        bs = s.kv.block_size
-        self._status = InstanceStatus(self.instance_id, self.clock.now(), self._last_phase, self.t_switch,
-                                      tuple(reqs), s.kv.num_free_blocks * bs - queued, s.kv.num_blocks * bs)
+        if self._status is None:
+            self._status = instance_status(self.instance_id, self.sched)
         return self._status

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ecoserve.sim.registry import Registry
+from ecoserve.registry import Registry
 
 
 @dataclass(frozen=True)

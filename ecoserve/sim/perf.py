@@ -1,7 +1,6 @@
 """Performance models: predicted duration of one forward step of an instance.
 
-A batch is described per request by (num_new_tokens, context_len): the tokens computed this step
-and the tokens the request attends to once they are in (start + num_new). Two models:
+A step is described by `StepWork`, the aggregates of its batch. Two models:
 
 - `RooflinePerf`: max-like combination of compute time (GEMM FLOPs with token counts rounded up to
   the GEMM tile, plus attention) and memory time (weights, KV reads and writes), plus
@@ -9,6 +8,11 @@ and the tokens the request attends to once they are in (start + num_new). Two mo
   overhead. Efficiencies are per-GPU knobs; L20's are calibrated on the TD-Pipe profile.
 - `TablePerf`: a measured `tokens,ms` CSV, linearly interpolated (extrapolated past its end),
   plus an optional KV-read term that the tables (prefill-shaped) do not contain.
+
+Both add the step-type costs (`StepTypeCosts`), zero by default: a fixed overhead for a step that
+carries prompt tokens, and an interference term per decode token in a hybrid batch. vLLM 0.7.3
+(the paper's baselines) captures only pure-decode batches as CUDA graphs and runs prefill and
+hybrid steps eagerly; docs/reproduction.md sweeps both parameters.
 """
 from __future__ import annotations
 
@@ -17,14 +21,11 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from ecoserve.sim.hardware import GPU, Link, gpu as get_gpu, link as get_link
 from ecoserve.sim.models import ModelSpec, model as get_model
 from ecoserve.sim.network import allreduce_time
-
-BatchShape = Iterable[tuple[int, int]]  # (num_new_tokens, context_len) per request
-
 
 @dataclass(frozen=True)
 class StepWork:
@@ -35,40 +36,42 @@ class StepWork:
     num_sampled: int
     attn_pairs: float  # sum over requests of causal (query, key) pairs
     kv_read_tokens: int  # context tokens whose KV is read
+    num_prompt_tokens: int = 0  # of num_tokens, those of prompt chunks (the rest are decodes)
 
-    @classmethod
-    def of(cls, batch: BatchShape) -> "StepWork":
-        tokens = seqs = kv = 0
-        pairs = 0.0
-        for q, ctx in batch:
-            tokens += q
-            seqs += 1
-            start = ctx - q
-            pairs += q * start + q * (q + 1) / 2
-            kv += ctx
-        return cls(tokens, seqs, seqs, pairs, kv)
+
+@dataclass(frozen=True)
+class StepTypeCosts:
+    """Costs by step type on top of the model's time (seconds); zero reproduces the plain model.
+
+    `prompt_step_overhead_s`: added to every step that carries prompt tokens (prefill or hybrid),
+    e.g. eager execution where pure decodes replay a CUDA graph. `hybrid_decode_token_s`: added
+    per decode token of a step that also carries prompt tokens (interference in hybrid batches).
+    """
+
+    prompt_step_overhead_s: float = 0.0
+    hybrid_decode_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_step_overhead_s < 0 or self.hybrid_decode_token_s < 0:
+            raise ValueError(f"step-type costs must be >= 0, got {self}")
+
+    def extra(self, w: StepWork) -> float:
+        if not w.num_prompt_tokens:
+            return 0.0
+        return self.prompt_step_overhead_s + self.hybrid_decode_token_s * (w.num_tokens - w.num_prompt_tokens)
 
 
 class PerfModel(Protocol):
-    def step_time(self, batch: BatchShape) -> float: ...
-
     def work_time(self, work: StepWork) -> float: ...
 
     def predicted_prefill_time(self, num_tokens: int) -> float: ...
 
 
 class _Base:
-    def step_time(self, batch: BatchShape) -> float:
-        return self.work_time(StepWork.of(batch))
-
     def predicted_prefill_time(self, num_tokens: int) -> float:
         """One request's whole prompt in one step (Algorithm 1's offline profile by length)."""
         n = max(int(num_tokens), 1)
-        return self.work_time(StepWork(n, 1, 1, n * (n + 1) / 2, n))
-
-    def decode_time(self, batch_size: int, mean_context: int) -> float:
-        return self.work_time(StepWork(batch_size, batch_size, batch_size, float(batch_size * mean_context),
-                                       batch_size * mean_context))
+        return self.work_time(StepWork(n, 1, 1, n * (n + 1) / 2, n, n))
 
 
 @dataclass
@@ -86,6 +89,7 @@ class RooflinePerf(_Base):
     token_tile: int = 128  # GEMM row tile; token counts round up to it ...
     small_tile: int = 16  # ... except skinny batches (<= small_tile tokens), which run as GEMV-like kernels
     tp_efficiency: float = 1.0  # extra knob for TP scaling losses beyond the all-reduce
+    step_costs: StepTypeCosts = StepTypeCosts()
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -125,7 +129,8 @@ class RooflinePerf(_Base):
         if self.pp > 1:
             lk = self.pp_link
             t += (self.pp - 1) * (lk.latency + w.num_tokens * self._act_bytes_per_token / (lk.bandwidth * lk.efficiency))
-        return t + self.overhead_s
+        t += self.overhead_s
+        return t + self.step_costs.extra(w) if w.num_prompt_tokens else t
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -143,6 +148,7 @@ class TablePerf(_Base):
     kv_bytes_per_token: float = 0.0  # > 0 adds KV reads at `kv_bandwidth` (tables do not include them)
     kv_bandwidth: float = 1.0
     scale: float = 1.0  # e.g. 1/pp for TD-Pipe's single-GPU-equivalent tables
+    step_costs: StepTypeCosts = StepTypeCosts()
 
     @classmethod
     def from_csv(cls, path: str | Path, **kw) -> "TablePerf":
@@ -176,7 +182,7 @@ class TablePerf(_Base):
         t = self.table_ms(w.num_tokens) * 1e-3 * self.scale
         if self.kv_bytes_per_token:
             t += w.kv_read_tokens * self.kv_bytes_per_token / self.kv_bandwidth
-        return t
+        return t + self.step_costs.extra(w) if w.num_prompt_tokens else t
 
 
 def make_perf(model: str | ModelSpec, gpu: str | GPU = "L20", tp: int = 1, pp: int = 1,
@@ -184,6 +190,8 @@ def make_perf(model: str | ModelSpec, gpu: str | GPU = "L20", tp: int = 1, pp: i
     """A roofline for (model, gpu, tp, pp), or a measured table when `profile` names a CSV."""
     spec = get_model(model) if isinstance(model, str) else model
     dev = get_gpu(gpu) if isinstance(gpu, str) else gpu
+    if isinstance(knobs.get("step_costs"), dict):
+        knobs["step_costs"] = StepTypeCosts(**knobs["step_costs"])
     if profile is not None:
         # Knobs override the defaults, e.g. kv_bytes_per_token=0 for a table measured with real contexts.
         return TablePerf.from_csv(profile, **{"kv_bytes_per_token": spec.kv_bytes_per_token / tp,

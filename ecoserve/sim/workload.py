@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ecoserve.sim.registry import Registry
+from ecoserve.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ecoserve.engine.attention import PagedAttention, PagedKVCache
+from ecoserve.engine.attention import PagedAttention
+from ecoserve.engine.kv_cache import PagedKVCache
+from ecoserve.sched.interface import is_prefill
 
 
 def dense(q, k, v, scale):
@@ -40,7 +42,7 @@ def test_paged_attention_equals_dense_over_steps(native):
                 continue
             n = 1 if s["done"] > 0 and rng.random() < 0.5 else min(left, rng.randint(1, 7))
             start = s["done"]
-            spans.append((start, n, s["table"]))
+            spans.append((start, n, s["table"], is_prefill(n, start + n == s["total"])))
             q, k, v = (t[start:start + n] for t in s["qkv"])
             qs.append(q), ks.append(k), vs.append(v), live.append((s, start, n))
             s["done"] += n

@@ -61,6 +61,23 @@ def test_load_model_accepts_gguf_path_and_caches(tiny_gguf, tmp_path, monkeypatc
     assert load_model(str(path)).path == loaded.path  # second load reads the cached conversion
 
 
+def test_generation_defaults_reach_new_and_old_conversions(tiny_gguf, tmp_path, monkeypatch):
+    """A model card's sampling goes into generation_config.json, also of a directory converted earlier."""
+    monkeypatch.setenv("ECOSERVE_CACHE", str(tmp_path / "cache"))
+    _, path = tiny_gguf
+    plain = cached_conversion(path)
+    assert load_model(str(plain)).generation_defaults == {}
+    again = cached_conversion(path, generation_defaults={"do_sample": True, "temperature": 0.2, "top_p": 0.9})
+    assert again == plain and load_model(str(again)).generation_defaults == {"temperature": 0.2, "top_p": 0.9}
+    assert (again / "config.json").is_file() and load_model(str(again)).eos_token_ids == frozenset({2})
+
+
+def test_embedded_model_recommends_the_model_cards_sampling():
+    from ecoserve.model.default import default_model_dir
+
+    assert load_model(str(default_model_dir())).generation_defaults == {"temperature": 0.2, "top_p": 0.9}
+
+
 def test_concurrent_first_use_converts_safely(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("ECOSERVE_CACHE", str(tmp_path))
     _, path = tiny_gguf

@@ -127,7 +127,19 @@ def test_abort_frees_blocks_and_reports_status():
     sched.abort_requests([f"r{i}" for i in range(5)])
     assert not sched.has_unfinished_requests()
     assert sched.kv.num_free_blocks == 50
-    assert set(sched.schedule().finished_ids) == {f"r{i}" for i in range(5)}
+    assert sched.schedule().is_empty and sched.schedule().finished_ids == ()  # kept for a batch that runs
+    assert set(sched.take_finished_ids()) == {f"r{i}" for i in range(5)} and not sched.take_finished_ids()
+
+
+def test_finished_ids_survive_empty_steps():
+    """An id that finished is handed to the executor with the next batch that runs, even after empty steps."""
+    sched, clock = make(blocks=50)
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True), 0.0))
+    run(sched, clock)
+    assert sched.schedule().is_empty and sched.schedule().is_empty  # nothing to run: the id stays
+    sched.add_request(Request("b", [1, 2], SamplingParams(max_tokens=1, ignore_eos=True), 1.0))
+    out = sched.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["b"] and out.finished_ids == ("a",)
 
 
 def test_prefix_cache_hits_skip_computed_tokens():

@@ -49,8 +49,11 @@ class RunningServer:
         assert not self.thread.is_alive(), "the server did not stop"
 
 
-def start_server(model: str, max_waiting: int | None = None, **overrides) -> RunningServer:
-    """The real app on uvicorn in a thread (the engine loop is its own thread, as in `ecoserve serve`)."""
+def start_server(model: str, max_waiting: int | None = None, app_kwargs: dict | None = None,
+                 **overrides) -> RunningServer:
+    """The real app on uvicorn in a thread (the engine loop is its own thread, as in `ecoserve serve`).
+
+    `app_kwargs` go to create_app (api_key, metrics_prefix, tool_call_parser); the rest to the engine."""
     from ecoserve.engine.async_engine import AsyncEngine
     from ecoserve.engine.llm import engine_config_from_kwargs
     from ecoserve.engine.llm_engine import LLMEngine
@@ -58,7 +61,7 @@ def start_server(model: str, max_waiting: int | None = None, **overrides) -> Run
 
     engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(model, **{**ENGINE_KWARGS, **overrides})),
                          max_waiting=max_waiting)
-    app = create_app(engine, "tiny")
+    app = create_app(engine, "tiny", **(app_kwargs or {}))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -102,10 +105,10 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 def start_cli_server(model: str, *args: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m ecoserve.cli serve` in a subprocess; returns it once /health answers."""
+    """`python -m ecoserve serve` in a subprocess; returns it once /health answers."""
     port = port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "ecoserve.cli", "serve", "--model", model, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "ecoserve", "serve", "--model", model, "--port", str(port),
                              "--num-threads", "1", "--uvicorn-log-level", "warning", *args],
                             cwd=Path(__file__).resolve().parents[2], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import queue
 
 import httpx
 import pytest
@@ -74,6 +76,62 @@ def test_dead_engine_loop_fails_requests_and_health(engine):
             assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
             r = await client.post("/v1/completions", json={"prompt": "hi"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        await ae.stop()
+
+    asyncio.run(main())
+
+
+async def _until_idle(engine: LLMEngine) -> None:
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the request was not aborted")
+
+
+def test_a_stream_never_started_is_aborted_and_forgotten(engine):
+    """A client that leaves before the first byte drops a stream nobody iterated: the request must not run on."""
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        for rid in ("q1", "q2", "q3"):
+            ae.abort(rid)  # queued aborts (a burst of disconnects) are not waiting requests
+        assert ae.num_waiting() == 0
+        ae.start()
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        stream = ae.generate("never", [5, 6, 7], params)
+        assert ae.num_waiting() + engine.get_num_unfinished_requests() >= 1
+        del stream  # never iterated
+        gc.collect()
+        await _until_idle(engine)
+        assert ae.num_in_flight == 0 and engine.stats["generation_tokens"] < 200
+        # one consumed to the end leaves nothing behind either
+        outs = [o async for o in ae.generate("done", [5, 6, 7], params.clone(max_tokens=3))]
+        assert [len(o.outputs[0].new_token_ids) for o in outs] == [1, 1, 1] and ae.num_in_flight == 0
+        await ae.stop()
+
+    asyncio.run(main())
+
+
+class _RecordingQueue(queue.SimpleQueue):
+    def __init__(self) -> None:
+        self.timed_waits = 0
+
+    def get(self, block=True, timeout=None):
+        if block and timeout is not None:
+            self.timed_waits += 1
+        return super().get(block, timeout)
+
+
+def test_engine_loop_waits_only_when_nothing_is_schedulable(tiny_model):
+    """Prompt-chunk steps sample nothing but did work: the loop must go straight on to the next step."""
+    chunky = LLMEngine(engine_config_from_kwargs(tiny_model, **{**ENGINE_KWARGS, "max_num_batched_tokens": 16}))
+
+    async def main() -> None:
+        ae = AsyncEngine(chunky)
+        ae._commands = _RecordingQueue()
+        ae.start()
+        outs = [o async for o in ae.generate("p", list(range(5, 165)), SamplingParams(max_tokens=2))]
+        assert outs[-1].finished and ae._commands.timed_waits == 0  # 10 prompt chunks, no wait
         await ae.stop()
 
     asyncio.run(main())

@@ -1,10 +1,11 @@
 """Whole-cluster simulations through the live scheduler: nothing lost, deterministic, definitions hold."""
 import pytest
 
+from ecoserve.cluster.events import Dispatch, Scale
 from ecoserve.sim.cluster import ClusterSpec
 from ecoserve.sim.network import LinkQueue
 from ecoserve.sim.hardware import link
-from ecoserve.sim.strategies import STRATEGIES, build
+from ecoserve.sim.cluster import STRATEGIES, build
 from ecoserve.sim.workload import rate_schedule, synthetic
 
 
@@ -37,27 +38,24 @@ def test_simulation_is_deterministic():
 
 
 def test_mitosis_loses_nothing_and_drained_instances_get_nothing_new():
-    wl = rate_schedule("alpaca", [(4.0, 20.0), (40.0, 20.0), (2.0, 40.0)], seed=1)
+    wl = rate_schedule("alpaca", [(4.0, 20.0), (150.0, 20.0), (2.0, 40.0)], seed=1)
     sim = build("ecoserve", small_spec(), 1.0, 0.1, total_instances=10,
                 mitosis=dict(n_lower=2, n_upper=4, cooldown_s=2.0), macro_sizes=[2], mitosis_period=1.0)
-    routed_after_drain = []
-    original = sim._apply
+    routed_after_drain, kinds = [], []
+    original = sim.apply
 
-    def watch(a):
-        original(a)
-        if a.kind == "drain":
-            inst = sim.instances[a.instances[0]]
-            inst_add = inst.add
-
-            def add(rid, *args, **kw):
-                if inst.instance_id in sim.controller.draining:
-                    routed_after_drain.append(rid)
-                return inst_add(rid, *args, **kw)
-            inst.add = add
-    sim._apply = watch
+    def watch(actions):
+        for a in actions:
+            if isinstance(a, Dispatch) and a.instance_id in sim.controller.mitosis.draining:
+                routed_after_drain.append(a.request_id)
+            if isinstance(a, Scale):
+                kinds.append(a.kind)
+        return original(actions)
+    sim.apply = watch
     res = sim.run(wl)
     assert len(res.records) == len(wl)
     assert not routed_after_drain
+    assert {"add", "split", "drain", "release"} <= set(kinds), kinds
     sizes = [s for t in res.extra["timeline"] for s in t["sizes"]]
     assert max(t["active"] for t in res.extra["timeline"]) > 2  # it expanded
     assert all(1 <= s <= 4 for s in sizes)

@@ -1,0 +1,146 @@
+"""What every cluster controller shares: the status board, where each request runs, lost instances.
+
+Subclasses (NoDG, FuDG, PaDG) say where requests go. A controller reads time only from its
+`Clock` and statuses only from its `StatusBoard`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ecoserve.clock import Clock
+from ecoserve.cluster.events import (Action, Dispatch, Event, FinishRequest, InstanceJoined, InstanceLost,
+                                     InstanceReported, InstanceSetup, InstanceStepped, PrefillDone, RequestAborted,
+                                     RequestArrived, RequestFinished, TimerFired, TransferDone)
+from ecoserve.cluster.status import InstanceStatus
+
+
+class StatusBoard:
+    """The latest status of each instance: `InstanceReported` fills it (live), or it reads on demand (sim)."""
+
+    def __init__(self, read: Callable[[int], InstanceStatus] | None = None, clock: Clock | None = None) -> None:
+        self._read = read
+        self._clock = clock
+        self._latest: dict[int, InstanceStatus] = {}
+
+    def put(self, status: InstanceStatus) -> None:
+        self._latest[status.instance_id] = status
+
+    def join(self, instance_id: int, total_kv_tokens: int) -> None:
+        if instance_id not in self._latest:
+            now = self._clock.now() if self._clock is not None else 0.0
+            self.put(InstanceStatus(instance_id, now, "idle", now, (), total_kv_tokens, total_kv_tokens))
+
+    def forget(self, instance_id: int) -> None:
+        self._latest.pop(instance_id, None)
+
+    def __call__(self, instance_id: int) -> InstanceStatus:
+        if self._read is not None:
+            return self._read(instance_id)
+        try:
+            return self._latest[instance_id]
+        except KeyError:
+            raise KeyError(f"no status from instance {instance_id} yet (it has not joined)") from None
+
+
+class ControllerBase:
+    has_windows = False
+    max_reroutes = 3
+
+    def __init__(self, clock: Clock, board: StatusBoard, setups: dict[int, InstanceSetup]) -> None:
+        self.clock = clock
+        self.board = board
+        self.setups = setups
+        self.requests: dict[str, RequestArrived] = {}
+        self.where: dict[str, int] = {}  # request id -> the instance it was last dispatched to
+        self.num_dispatched: dict[int, int] = {i: 0 for i in setups}
+        self._reroutes: dict[str, int] = {}
+        self._handlers = {RequestArrived: self._arrived, InstanceReported: self._reported,
+                          InstanceStepped: lambda e: self.on_step(e.instance_id),
+                          InstanceJoined: self._joined, PrefillDone: self.on_prefill_done,
+                          TransferDone: self.on_transfer_done, RequestFinished: self._finished,
+                          RequestAborted: self._aborted, InstanceLost: self._lost, TimerFired: self.on_timer}
+
+    # ---- the protocol ------------------------------------------------------------------------
+    def start(self) -> list[Action]:
+        return []
+
+    def handle(self, event: Event) -> list[Action]:
+        acts = self._handlers[type(event)](event)
+        for a in acts:
+            if type(a) is Dispatch:
+                self.where[a.request_id] = a.instance_id
+                self.num_dispatched[a.instance_id] = self.num_dispatched.get(a.instance_id, 0) + 1
+        return acts
+
+    # ---- what subclasses say -------------------------------------------------------------------
+    def on_arrival(self, req: RequestArrived) -> list[Action]:
+        raise NotImplementedError
+
+    def on_step(self, instance_id: int) -> list[Action]:
+        return []
+
+    def on_prefill_done(self, e: PrefillDone) -> list[Action]:
+        raise ValueError(f"{type(self).__name__} has no prefill-only instances (got {e})")
+
+    def on_transfer_done(self, e: TransferDone) -> list[Action]:
+        raise ValueError(f"{type(self).__name__} ships no KV (got {e})")
+
+    def on_finished(self, e: RequestFinished) -> list[Action]:
+        return []
+
+    def on_timer(self, e: TimerFired) -> list[Action]:
+        return []
+
+    def on_instance_lost(self, instance_id: int) -> None:
+        """Stop routing to the instance (subclasses drop it from their routers)."""
+
+    # ---- shared handling -----------------------------------------------------------------------
+    def _arrived(self, e: RequestArrived) -> list[Action]:
+        if e.request_id in self.requests:
+            raise ValueError(f"request id {e.request_id!r} is already in the cluster")
+        self.requests[e.request_id] = e
+        return self.on_arrival(e)
+
+    def _reported(self, e: InstanceReported) -> list[Action]:
+        self.board.put(e.status)
+        return self.on_step(e.status.instance_id)
+
+    def _joined(self, e: InstanceJoined) -> list[Action]:
+        self.board.join(e.instance_id, e.total_kv_tokens)
+        self.num_dispatched.setdefault(e.instance_id, 0)
+        return []
+
+    def _finished(self, e: RequestFinished) -> list[Action]:
+        acts = self.on_finished(e)
+        self.requests.pop(e.request_id, None)
+        self.where.pop(e.request_id, None)
+        self._reroutes.pop(e.request_id, None)
+        return acts
+
+    def _aborted(self, e: RequestAborted) -> list[Action]:
+        self.requests.pop(e.request_id, None)
+        self.where.pop(e.request_id, None)
+        self._reroutes.pop(e.request_id, None)
+        return []
+
+    def _lost(self, e: InstanceLost) -> list[Action]:
+        """Re-route the lost instance's requests that produced nothing yet; end the others with an error."""
+        iid = e.instance_id
+        try:
+            started = {q.request_id for q in self.board(iid).requests if q.first_token_time is not None}
+        except KeyError:
+            started = set()
+        self.on_instance_lost(iid)
+        self.board.forget(iid)
+        acts: list[Action] = []
+        for rid in [r for r, i in self.where.items() if i == iid]:
+            del self.where[rid]
+            n = self._reroutes.get(rid, 0)
+            if rid in started or n >= self.max_reroutes or rid not in self.requests:
+                self.requests.pop(rid, None)
+                acts.append(FinishRequest(rid, f"instance {iid} was lost" + ("" if rid in started else
+                                                                                f" ({n} re-routes)")))
+                continue
+            self._reroutes[rid] = n + 1
+            acts += self.on_arrival(self.requests[rid])
+        return acts

@@ -1,0 +1,151 @@
+"""Guided decoding with llguidance: grammars compiled once per spec, one matcher per sequence.
+
+`GrammarCompiler` turns a StructuredOutputsParams into a pristine matcher on a worker thread
+and caches it by the spec's key, so the engine loop never waits for a new grammar (the engine
+queues a request once its grammar is ready). `GuidedDecoder` keeps each constrained
+sequence's matcher, masks its logits row every step (rows without a matcher are untouched and
+cost nothing) and advances the matcher with the sampled token. The matcher only ever moves on
+sampled tokens, so a recompute after preemption leaves it where it was.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+
+from ecoserve.structured import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Compact JSON with json.dumps' separators: what models write, and no runaway whitespace.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a spec (not yet checked: the matcher does that)."""
+    import llguidance
+    from llguidance import LLMatcher
+
+    kind = spec.kind
+    if kind == "json":
+        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
+
+
+class GrammarCompiler:
+    """Spec -> Future of a pristine matcher; one compilation per distinct spec, off the caller's thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], max_cached: int = 256) -> None:
+        self._hf_tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer = None
+        self._tokenizer_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._cache: dict[str, Future] = {}
+        self._max_cached = max_cached
+
+    def tokenizer(self):
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:  # ~0.3 s for a 50k vocabulary: built on first use
+                import llguidance.hf
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None)
+            return self._ll_tokenizer
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """The (maybe already finished) compilation of `spec`; its error is a ValueError naming the problem."""
+        key = spec.key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                if len(self._cache) >= self._max_cached:
+                    self._cache.pop(next(iter(self._cache)))  # oldest first
+                future = self._cache[key] = self._pool.submit(self._compile, spec)
+            return future
+
+    def compile(self, spec: StructuredOutputsParams):
+        return self.submit(spec).result()
+
+    def _compile(self, spec: StructuredOutputsParams):
+        from llguidance import LLMatcher
+
+        try:
+            grammar = grammar_text(spec)
+        except ValueError as e:
+            raise ValueError(f"invalid structured output ({spec.kind}): {e}") from None
+        matcher = LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured output ({spec.kind}): {_first_line(matcher.get_error())}")
+        return matcher
+
+
+def _first_line(message: str) -> str:
+    lines = [ln for ln in message.splitlines() if ln.strip()]
+    return " ".join(lines[:3]) if lines else "the grammar was rejected"
+
+
+class GuidedDecoder:
+    """The live matchers of constrained sequences (request id -> matcher), owned by one engine."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._matchers: dict[str, Any] = {}
+        self._bitmask: torch.Tensor | None = None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        """Start a matcher for a sequence; raises ValueError for a bad spec (waits if still compiling)."""
+        self._matchers[request_id] = self.compiler.compile(spec).deep_copy()
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
+        """In place: tokens the grammar forbids get -inf in the rows of constrained sequences."""
+        if not self._matchers:
+            return
+        rows = [(i, m) for i, rid in enumerate(request_ids) if (m := self._matchers.get(rid)) is not None]
+        if not rows:
+            return
+        words = (self.compiler.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = torch.empty((max(len(rows), 8), words), dtype=torch.int32)
+        bitmask = self._bitmask
+        # Straight into the tensor's memory (llguidance.torch would import torch.compile: seconds).
+        for j, (_, matcher) in enumerate(rows):
+            matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
+        allowed = ((bitmask[:len(rows)].unsqueeze(-1) >> _BITS) & 1).flatten(1).bool()
+        vocab = logits.shape[1]
+        if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        idx = torch.tensor([i for i, _ in rows], device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        """Advance a sequence's matcher; True when the grammar is complete (nothing but EOS may follow)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return False
+        if not matcher.consume_token(token_id):
+            logger.warning("request %s: token %d rejected by its grammar: %s", request_id, token_id,
+                           _first_line(matcher.get_error()))
+            return True
+        return matcher.is_stopped()

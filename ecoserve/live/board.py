@@ -1,0 +1,130 @@
+"""The frontend's picture of its instances: who they are, how fresh their status is, what was sent since.
+
+An instance's `Status` reflects the dispatches it had seen (`last_dispatch_seq`); the board
+overlays the ones sent after it, so a controller never routes on a view that forgot its own
+recent decisions. Times are rebased onto the frontend's clock (the frontend stamps routing and
+first-token times itself), so instances on other nodes may run their own clocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ecoserve.cluster.status import InstanceStatus, RequestState
+from ecoserve.live.messages import Ready
+
+STATES = ("starting", "ready", "draining", "free", "lost")
+
+
+@dataclass
+class InstanceHandle:
+    instance_id: int
+    identity: bytes | None = None  # its ZeroMQ routing id, once connected
+    ready: Ready | None = None
+    state: str = "starting"
+    role: str | int | None = None  # macro id (PaDG), "prefill" / "decode" (FuDG), None (NoDG)
+    pid: int | None = None
+    host: str | None = None
+    last_heard: float = 0.0
+    status: InstanceStatus | None = None
+    status_received: float = 0.0
+    status_seq: int = 0
+    dispatch_seq: int = 0
+    unseen: dict[int, RequestState] = field(default_factory=dict)  # dispatch seq -> request sent since the status
+    requests: set[str] = field(default_factory=set)  # requests the frontend has running here
+    lost_reason: str | None = None
+    num_windows: int = 0
+    window_open: bool = False
+    held: bool = False  # output hold (reference mode)
+
+    def describe(self, now: float) -> dict:
+        return {"id": self.instance_id, "pid": self.pid, "host": self.host, "state": self.state,
+                "role": self.role, "phase": self.status.phase if self.status else None,
+                "status_age_s": round(now - self.status_received, 3) if self.status else None,
+                "num_requests": len(self.requests), "free_kv_tokens": self.status.free_kv_tokens if self.status
+                else None, "num_windows": self.num_windows, "lost_reason": self.lost_reason}
+
+
+def _rebase(st: InstanceStatus, offset: float, routed: dict[str, float], first: dict[str, float]) -> InstanceStatus:
+    reqs = tuple(r._replace(routed_time=routed.get(r.request_id, r.routed_time + offset),
+                            first_token_time=first.get(r.request_id, None if r.first_token_time is None
+                                                       else r.first_token_time + offset))
+                 for r in st.requests)
+    return dataclasses.replace(st, time=st.time + offset, t_switch=st.t_switch + offset, requests=reqs)
+
+
+class InstanceBoard:
+    def __init__(self) -> None:
+        self.instances: dict[int, InstanceHandle] = {}
+        self.routed_at: dict[str, float] = {}  # request id -> when the frontend dispatched it (its clock)
+        self.first_token_at: dict[str, float] = {}
+
+    def __getitem__(self, instance_id: int) -> InstanceHandle:
+        return self.instances[instance_id]
+
+    def add(self, handle: InstanceHandle) -> InstanceHandle:
+        self.instances[handle.instance_id] = handle
+        return handle
+
+    def by_identity(self, identity: bytes) -> InstanceHandle | None:
+        for h in self.instances.values():
+            if h.identity == identity and h.state != "lost":
+                return h
+        return None
+
+    def next_id(self) -> int:
+        return max(self.instances, default=-1) + 1
+
+    def live(self) -> list[InstanceHandle]:
+        return [h for h in self.instances.values() if h.state not in ("starting", "lost")]
+
+    # ---- status ----------------------------------------------------------------------------
+    def dispatched(self, h: InstanceHandle, request_id: str, prompt_len: int, now: float) -> int:
+        h.dispatch_seq += 1
+        h.unseen[h.dispatch_seq] = RequestState(request_id, now, prompt_len, None, 0)
+        h.requests.add(request_id)
+        self.routed_at[request_id] = now
+        return h.dispatch_seq
+
+    def reported(self, h: InstanceHandle, st: InstanceStatus, last_dispatch_seq: int, now: float) -> None:
+        """A status arrived at `now`: times move onto our clock; dispatches it has seen leave the overlay."""
+        h.status = _rebase(st, now - st.time, self.routed_at, self.first_token_at)
+        h.status_received = now
+        for seq in [s for s in h.unseen if s <= last_dispatch_seq]:
+            del h.unseen[seq]
+
+    def status_of(self, instance_id: int) -> InstanceStatus:
+        """The last status plus the requests dispatched since (their prompts' KV counted as taken)."""
+        h = self.instances[instance_id]
+        st = h.status
+        if st is None:
+            total = h.ready.total_kv_tokens if h.ready else 0
+            st = InstanceStatus(instance_id, h.status_received, "idle", h.status_received, (), total, total)
+        if not h.unseen:
+            return st
+        known = {r.request_id for r in st.requests}
+        extra = tuple(r for r in h.unseen.values() if r.request_id not in known)
+        return dataclasses.replace(st, requests=st.requests + extra,
+                                   free_kv_tokens=st.free_kv_tokens - sum(r.prompt_len + 1 for r in extra))
+
+    def forget(self, request_id: str) -> None:
+        self.routed_at.pop(request_id, None)
+        self.first_token_at.pop(request_id, None)
+
+
+def profile_step_time(rows: list[tuple[int, float]]):
+    """An instance's `tokens -> ms` table as `n tokens -> seconds`: linear between rows, and beyond the last two."""
+    pts = sorted((int(n), float(ms)) for n, ms in rows)
+    if not pts:
+        raise ValueError("an instance reported an empty tokens -> time profile")
+    if len(pts) == 1:
+        pts.append((pts[0][0] * 2, pts[0][1] * 2))
+
+    def step_time(n: int) -> float:
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if n <= x1 or (x1, y1) == pts[-1]:
+                if n <= x0 and (x0, y0) == pts[0]:
+                    return y0 * 1e-3
+                return max(y0 + (y1 - y0) * (n - x0) / max(x1 - x0, 1), 0.0) * 1e-3
+        return pts[-1][1] * 1e-3
+    return step_time

@@ -1,0 +1,54 @@
+"""`ecoserve instance`: one instance process that connects to a cluster frontend."""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+
+def run_instance(args: argparse.Namespace) -> int:
+    from ecoserve.live.engines import MockEngine, RealEngine
+    from ecoserve.live.instance import InstanceLoop, InstanceOptions
+
+    if args.mock_profile:
+        name = args.served_model_name or args.model or "mock"
+        engine = MockEngine(args.mock_profile, name, args.scheduling_policy, args.num_gpu_blocks or 4096,
+                            args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
+                            args.max_model_len or 4096)
+    else:
+        from ecoserve.cli import engine_kwargs
+        from ecoserve.engine.llm import engine_config_from_kwargs
+        from ecoserve.engine.llm_engine import LLMEngine
+        kwargs = engine_kwargs(args)
+        if args.num_gpu_blocks:
+            kwargs["num_gpu_blocks"] = args.num_gpu_blocks
+        engine = RealEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
+        if args.served_model_name:
+            engine.model_name = args.served_model_name
+    tokens = tuple(int(t) for t in args.profile_tokens.split(",") if t.strip())
+    profile = engine.profile(tokens)
+    opts = InstanceOptions(args.connect, args.kv_host, args.heartbeat_interval, frontend_timeout_s=args.frontend_timeout)
+    return InstanceLoop(engine, opts, profile).run()
+
+
+def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("instance", help="one instance of a cluster (connects to `ecoserve serve --strategy`)",
+                              description="Start one engine instance that joins the cluster frontend at --connect.")
+    add_engine_args(p)
+    p.add_argument("--connect", required=True, help="the frontend's instance port, tcp://HOST:PORT")
+    p.add_argument("--kv-host", default="127.0.0.1",
+                   help="the address this instance's KV receiver binds, reachable by the other instances")
+    p.add_argument("--served-model-name", default=None, help="the model identity reported to the frontend")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (overrides the byte budget)")
+    p.add_argument("--mock-profile", default=None, metavar="FILE",
+                   help="run no model: sleep each step for this `tokens,ms` CSV's predicted time and emit "
+                        "placeholder tokens")
+    p.add_argument("--profile-tokens", default="16,64,256",
+                   help="prompt sizes timed at start-up: the tokens -> time profile sent to the router")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--frontend-timeout", type=float, default=5.0,
+                   help="exit when the frontend has been silent this many seconds")
+    p.set_defaults(func=run_instance)
+    return p

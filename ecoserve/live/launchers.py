@@ -1,0 +1,146 @@
+"""Starting instance processes: `local` subprocesses (the default) or `ray` actors for several nodes.
+
+A launcher starts an instance that connects back to the frontend's address, says whether it has
+exited (and how), kills it, and shuts all of them down. Ray is an optional extra
+(`pip install 'ecoserve[ray]'`); it is imported only when the `ray` launcher is chosen.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from typing import Callable, Protocol
+
+logger = logging.getLogger(__name__)
+
+ArgsFor = Callable[[int], list[str]]  # instance id -> `ecoserve instance` arguments (besides --connect)
+
+
+class Launcher(Protocol):
+    def launch(self, instance_id: int, connect: str) -> int | None:
+        """Start one instance; its pid if known now (the frontend matches it with the instance's `Ready`)."""
+        ...
+
+    def exit_code(self, instance_id: int) -> int | None:
+        """None while it runs; its exit status once it has ended."""
+        ...
+
+    def kill(self, instance_id: int) -> None: ...
+
+    def shutdown(self, timeout_s: float) -> None: ...
+
+
+def instance_command(connect: str, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "ecoserve.cli", "instance", "--connect", connect, *args]
+
+
+class LocalLauncher:
+    """Each instance is a subprocess of the frontend, on this machine."""
+
+    def __init__(self, args_for: ArgsFor, env: dict[str, str] | None = None, log_dir: str | None = None) -> None:
+        self.args_for = args_for
+        self.env = {**os.environ, **(env or {})}
+        self.log_dir = log_dir
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def launch(self, instance_id: int, connect: str) -> int:
+        out = None
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"instance-{instance_id}.log"), "ab")
+        proc = subprocess.Popen(instance_command(connect, self.args_for(instance_id)), env=self.env,
+                                stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL)
+        self.procs[instance_id] = proc
+        logger.info("started instance %d as pid %d", instance_id, proc.pid)
+        return proc.pid
+
+    def exit_code(self, instance_id: int) -> int | None:
+        proc = self.procs.get(instance_id)
+        return None if proc is None else proc.poll()
+
+    def kill(self, instance_id: int) -> None:
+        proc = self.procs.get(instance_id)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    def shutdown(self, timeout_s: float) -> None:
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("instance pid %d did not exit within %.1f s; killing it", proc.pid, timeout_s)
+                proc.kill()
+                proc.wait(timeout=timeout_s)
+
+
+def _instance_main(connect: str, args: list[str]) -> int:
+    """The body of a Ray actor: the same `ecoserve instance` entry point, in the actor's process."""
+    from ecoserve.cli import main
+    return main(["instance", "--connect", connect, *args])
+
+
+class RayLauncher:
+    """Each instance runs in a Ray actor, placed by Ray on a node with the resources it asks for.
+
+    Ray starts locally when no `address` is given (and is shut down with the cluster then).
+    """
+
+    def __init__(self, args_for: ArgsFor, address: str | None = None, num_cpus: float = 1.0,
+                 num_gpus: float = 0.0, resources: dict[str, float] | None = None) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("--launcher ray needs Ray: pip install 'ecoserve[ray]'") from None
+        self.ray = ray
+        self.args_for = args_for
+        self.started_ray = not ray.is_initialized() and address is None
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     num_cpus=None if address else max(int(os.cpu_count() or 1), 1))
+        remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, max_restarts=0)
+        self._actor_cls = remote(_InstanceActor)
+        self.actors: dict[int, object] = {}
+        self.runs: dict[int, object] = {}  # the ObjectRef of each actor's `run` (ready when it ends)
+
+    def launch(self, instance_id: int, connect: str) -> int:
+        actor = self._actor_cls.remote()
+        pid = self.ray.get(actor.pid.remote(), timeout=120)
+        self.actors[instance_id] = actor
+        self.runs[instance_id] = actor.run.remote(connect, self.args_for(instance_id))
+        logger.info("started instance %d in a Ray actor (pid %d)", instance_id, pid)
+        return pid
+
+    def exit_code(self, instance_id: int) -> int | None:
+        ref = self.runs.get(instance_id)
+        if ref is None:
+            return None
+        done, _ = self.ray.wait([ref], timeout=0)
+        if not done:
+            return None
+        try:
+            return int(self.ray.get(ref))
+        except Exception:  # the actor died (killed, node lost)
+            return -9
+
+    def kill(self, instance_id: int) -> None:
+        actor = self.actors.get(instance_id)
+        if actor is not None:
+            self.ray.kill(actor)
+
+    def shutdown(self, timeout_s: float) -> None:
+        refs = list(self.runs.values())
+        if refs:
+            self.ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for iid in list(self.actors):
+            self.kill(iid)
+        if self.started_ray:
+            self.ray.shutdown()
+
+
+class _InstanceActor:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, connect: str, args: list[str]) -> int:
+        return _instance_main(connect, args)

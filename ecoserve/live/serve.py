@@ -1,0 +1,162 @@
+"""`ecoserve serve --strategy ...`: a frontend over N instance processes, on the same controllers as the simulator.
+
+The strategy's controller (ecoserve.cluster.strategies) says what each instance runs (`setups`:
+its scheduling policy and token budget); the launcher starts those instances; the controller
+itself is built once they have joined, from the tokens -> time profile they measured.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ecoserve.clock import WallClock
+from ecoserve.cluster.strategies import CONTROLLERS, ControllerOptions, build_controller
+
+if TYPE_CHECKING:  # the frontend imports the engine (torch); `ecoserve instance` must not need it
+    from ecoserve.live.frontend import ClusterEngine, FrontendModel, FrontendOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LiveCluster:
+    """What `ecoserve serve --strategy` starts."""
+
+    strategy: str
+    num_instances: int = 2
+    num_free_instances: int = 0  # ecoserve mitosis: a pool started at launch, added on demand
+    controller: dict = field(default_factory=dict)  # more ControllerOptions fields (pd, balance, router_mode, ...)
+    instance_args: tuple[str, ...] = ()  # engine arguments every instance gets (--model, --num-threads, ...)
+    launcher: str = "local"  # | "ray"
+    ray_address: str | None = None
+    ray_num_cpus: float = 1.0
+    ray_num_gpus: float = 0.0
+    instance_log_dir: str | None = None
+
+    def options(self, ttft_slo: float, tpot_slo: float, max_num_batched_tokens: int) -> ControllerOptions:
+        extra = dict(self.controller)
+        if self.num_free_instances:
+            extra.setdefault("total_instances", self.num_instances + self.num_free_instances)
+        return ControllerOptions(ttft_slo, tpot_slo, num_instances=self.num_instances,
+                                 max_num_batched_tokens=max_num_batched_tokens, **extra)
+
+
+def build_cluster(model: FrontendModel, spec: LiveCluster, options: ControllerOptions,
+                  frontend: FrontendOptions | None = None, num_threads: int | None = 1) -> ClusterEngine:
+    """The ClusterEngine for `spec`: instances to launch with their setups, and the controller factory."""
+    from ecoserve.live.frontend import ClusterEngine, FrontendOptions
+    clock = WallClock()
+    setups = build_controller(spec.strategy, options, clock, lambda n: 1e-3).setups  # what to launch
+
+    def args_for(iid: int) -> list[str]:
+        s = setups[iid]
+        return [*spec.instance_args, "--scheduling-policy", s.policy,
+                "--max-num-batched-tokens", str(s.max_num_batched_tokens or options.max_num_batched_tokens)]
+
+    def factory(step_time, status_of):
+        return build_controller(spec.strategy, options, clock, step_time, statuses=status_of)
+
+    if spec.launcher == "ray":
+        from ecoserve.live.launchers import RayLauncher
+        launcher = RayLauncher(args_for, spec.ray_address, spec.ray_num_cpus, spec.ray_num_gpus)
+    elif spec.launcher == "local":
+        from ecoserve.live.launchers import LocalLauncher
+        env = {"OMP_NUM_THREADS": str(num_threads)} if num_threads else {}
+        launcher = LocalLauncher(args_for, env, spec.instance_log_dir)
+    else:
+        raise ValueError(f"--launcher must be 'local' or 'ray', got {spec.launcher!r}")
+    return ClusterEngine(model, factory, sorted(setups), launcher, frontend or FrontendOptions())
+
+
+def _pd(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pd takes P:D, e.g. 1:2; got {text!r}") from None
+    return p, d
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster (with --strategy: a frontend over instance processes)")
+    g.add_argument("--strategy", default=None, choices=CONTROLLERS.names(),
+                   help="serve from --num-instances instance processes with this strategy (default: one "
+                        "in-process engine)")
+    g.add_argument("--num-instances", type=int, default=2)
+    g.add_argument("--pd", type=_pd, default=None, help="FuDG split P:D (distserve, mooncake)")
+    g.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT SLO in seconds")
+    g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO in seconds")
+    g.add_argument("--balance", default="round_robin", choices=["round_robin", "least_loaded"], help="NoDG")
+    g.add_argument("--router-mode", default="paper", choices=["paper", "reference", "fixed_interval"],
+                   help="ecoserve: Algorithm 1 as the paper reads, or the authors' released router")
+    g.add_argument("--output-hold", default=None, choices=["on", "off"],
+                   help="ecoserve: hold the active prefill instance's tokens (default: on in reference mode)")
+    g.add_argument("--macro-sizes", default=None, help="ecoserve: instances per macro instance, e.g. 4,4")
+    g.add_argument("--num-free-instances", type=int, default=0,
+                   help="ecoserve mitosis: instances started as a free pool, added on demand")
+    g.add_argument("--mitosis", default=None, metavar="N_LOWER:N_UPPER",
+                   help="ecoserve: enable mitosis with these macro-instance bounds")
+    g.add_argument("--chunk-size", type=int, default=512, help="sarathi: token budget per hybrid step")
+    g.add_argument("--launcher", default="local", choices=["local", "ray"])
+    g.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start Ray locally)")
+    g.add_argument("--instance-bind", default="tcp://127.0.0.1:0",
+                   help="the frontend's instance port (0: any free port; use a routable host for other nodes)")
+    g.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence before an instance is lost")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="every request ends by then (seconds)")
+    g.add_argument("--mock-profile", default=None, metavar="FILE",
+                   help="instances run no model: they sleep this tokens,ms profile's step time")
+    g.add_argument("--instance-log-dir", default=None)
+
+
+def cluster_from_args(args: argparse.Namespace, engine_args: list[str]) -> tuple[LiveCluster, ControllerOptions]:
+    ctrl: dict = {"balance": args.balance, "router_mode": args.router_mode, "chunk_size": args.chunk_size}
+    if args.pd is not None:
+        if sum(args.pd) != args.num_instances:
+            raise ValueError(f"--pd {args.pd[0]}:{args.pd[1]} needs --num-instances {sum(args.pd)}")
+        ctrl["pd"] = args.pd
+    if args.macro_sizes:
+        ctrl["macro_sizes"] = tuple(int(x) for x in args.macro_sizes.split(","))
+    if args.output_hold is not None:
+        ctrl["router"] = {"output_hold": args.output_hold == "on"}
+    if args.mitosis:
+        lo, hi = (int(x) for x in args.mitosis.split(":"))
+        ctrl["mitosis"] = {"n_lower": lo, "n_upper": hi}
+    instance_args = list(engine_args)
+    if args.mock_profile:
+        instance_args += ["--mock-profile", args.mock_profile]
+    spec = LiveCluster(args.strategy, args.num_instances, args.num_free_instances, ctrl, tuple(instance_args),
+                       args.launcher, args.ray_address, instance_log_dir=args.instance_log_dir)
+    return spec, spec.options(args.slo_ttft, args.slo_tpot, args.max_num_batched_tokens)
+
+
+def engine_cli_args(args: argparse.Namespace) -> list[str]:
+    """The instance-side engine arguments of `ecoserve serve`'s own (they start every instance)."""
+    out = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
+           "--seed", str(args.seed), "--num-threads", str(args.num_threads or 1)]
+    if args.model:
+        out += ["--model", args.model]
+    if args.served_model_name:
+        out += ["--served-model-name", args.served_model_name]
+    if args.max_model_len:
+        out += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_cache_memory_bytes:
+        out += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+    if not args.enable_prefix_caching:
+        out.append("--no-enable-prefix-caching")
+    return out
+
+
+def make_cluster_engine(args: argparse.Namespace) -> ClusterEngine:
+    from ecoserve.live.frontend import FrontendModel, FrontendOptions
+    from ecoserve.model.loader import load_model_info
+
+    spec, options = cluster_from_args(args, engine_cli_args(args))
+    loaded = load_model_info(args.model)
+    model = FrontendModel(loaded, args.max_model_len)
+    fe_opts = FrontendOptions(bind=args.instance_bind, heartbeat_timeout_s=args.heartbeat_timeout,
+                              request_timeout_s=args.request_timeout, max_waiting=args.max_waiting_requests)
+    engine = build_cluster(model, spec, options, fe_opts, args.num_threads or 1)
+    if args.served_model_name:
+        engine.identity = args.served_model_name
+    return engine

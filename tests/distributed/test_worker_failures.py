@@ -1,0 +1,52 @@
+"""A rank that dies or stalls: a clear error naming it within the step deadline, never a hang; then 503."""
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+from tests.utils import make_tiny_checkpoint
+
+STEP_TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("fail") / "llama", num_layers=2))
+
+
+def complete(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hello there", "max_tokens": 8},
+                      timeout=60)
+
+
+@pytest.mark.parametrize("how,signum,rank,expect", [
+    ("killed", signal.SIGKILL, 1, "rank 1 (pipeline stage 1, tensor-parallel rank 0)"),
+    ("stopped", signal.SIGSTOP, 0, "rank 0 (pipeline stage 0, tensor-parallel rank 0)"),
+])
+def test_lost_rank_fails_clearly_and_server_answers_503(model, how, signum, rank, expect):
+    running = start_server(model, pipeline_parallel_size=2, step_timeout_s=STEP_TIMEOUT_S)
+    executor = running.llm_engine.executor
+    pid = executor.pids[rank]
+    try:
+        assert complete(running.url).status_code == 200
+        os.kill(pid, signum)
+        started = time.monotonic()
+        r = complete(running.url)
+        elapsed = time.monotonic() - started
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert expect in message
+        assert ("exited unexpectedly" if how == "killed" else "stopped responding") in message
+        assert elapsed < STEP_TIMEOUT_S + 10
+        health = httpx.get(f"{running.url}/health", timeout=10)
+        assert health.status_code == 503 and expect in health.json()["error"]["message"]
+        assert all(not p.is_alive() for p in executor._procs) or not executor._procs  # workers were shut down
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        running.stop()
