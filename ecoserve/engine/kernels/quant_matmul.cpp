@@ -16,7 +16,9 @@
 //   Q8_0 (type 8, 34 bytes): fp16 d, 32 int8; w = d * q
 // Nibble j of a block holds weight j (low half) and weight j + 16 (high half).
 // The activations are quantized per 32-block to int8 (scale max|x| / 127), so each block is one
-// integer dot product and one float FMA; Q4_1's offset m multiplies the exact float sum of x's block.
+// integer dot product and one float FMA. Nibbles are centred (q - 8) so the activations' rounding
+// error is not multiplied by a positive mean: Q4_1's w = d (q - 8) + (m + 8 d), whose offset
+// multiplies the exact float sum of x's block.
 // Each weight row is read once for all (at most kMaxRows) activation rows; rows split across threads.
 
 namespace {
@@ -65,7 +67,7 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 }
 
 #if defined(__AVX2__)
-// 32 weights of a block as bytes: signed (Q4_0: q - 8, Q8_0: q) or unsigned (Q4_1: q).
+// 32 weights of a block as signed bytes: q - 8 (Q4_0, Q4_1) or q (Q8_0).
 template <int64_t QT>
 inline __m256i load_weights(const uint8_t* blk) {
   if constexpr (QT == 8) {
@@ -74,7 +76,7 @@ inline __m256i load_weights(const uint8_t* blk) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (QT == 3 ? 4 : 2)));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-    return QT == 2 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
   }
 }
 
@@ -109,15 +111,16 @@ inline void dot_tile(const uint8_t* row, int64_t nb, const QuantizedRows& xr, in
     const uint8_t* blk = row + b * bb;
     const float d = half_to_float(blk);
     const __m256i wv = load_weights<QT>(blk);
-    // maddubs/dpbusd take unsigned x signed: signed weights pass |w| and move their sign onto x
-    const __m256i u = QT == 3 ? wv : _mm256_sign_epi8(wv, wv);
+    // maddubs/dpbusd take unsigned x signed: pass |w| and move w's sign onto x
+    const __m256i u = _mm256_sign_epi8(wv, wv);
+    const float offset_w = QT == 3 ? half_to_float(blk + 2) + 8.f * d : 0.f;
     for (int64_t m = 0; m < MR; ++m) {
       const int64_t i = (m0 + m) * (K / QK) + b;
       __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (m0 + m) * K + b * QK));
-      if constexpr (QT != 3) xv = _mm256_sign_epi8(xv, wv);
+      xv = _mm256_sign_epi8(xv, wv);
       acc[b & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_set1_ps(d * xr.scale[i]),
                                       acc[b & 1][m]);
-      if constexpr (QT == 3) offset[m] += half_to_float(blk + 2) * xr.sum[i];
+      if constexpr (QT == 3) offset[m] += offset_w * xr.sum[i];
     }
   }
   for (int64_t m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + offset[m];
@@ -154,15 +157,14 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64
         for (int j = 0; j < QK; ++j) wq[j] = reinterpret_cast<const int8_t*>(blk + 2)[j];
       } else {
         const uint8_t* qs = blk + (QT == 3 ? 4 : 2);
-        const int32_t shift = QT == 2 ? 8 : 0;
-        for (int j = 0; j < 16; ++j) { wq[j] = (qs[j] & 0x0F) - shift; wq[j + 16] = (qs[j] >> 4) - shift; }
+        for (int j = 0; j < 16; ++j) { wq[j] = (qs[j] & 0x0F) - 8; wq[j + 16] = (qs[j] >> 4) - 8; }
       }
       for (int64_t m = 0; m < M; ++m) {
         const int64_t i = m * nb + b;
         const int8_t* xq = xr.q.data() + m * K + b * QK;
         int32_t s = 0;
         for (int j = 0; j < QK; ++j) s += wq[j] * xq[j];
-        acc[m] += d * xr.scale[i] * s + (QT == 3 ? half_to_float(blk + 2) * xr.sum[i] : 0.f);
+        acc[m] += d * xr.scale[i] * s + (QT == 3 ? (half_to_float(blk + 2) + 8.f * d) * xr.sum[i] : 0.f);
       }
     }
     for (int64_t m = 0; m < M; ++m) out[m * N + n] = acc[m];
