@@ -12,34 +12,43 @@ _READY_SCRIPT = """
 import sys, time
 t0 = float(sys.argv[1])
 from ecoserve.engine.llm import LLM
-LLM(None if sys.argv[2] == '-' else sys.argv[2], num_threads=int(sys.argv[3]) or None)
+LLM(None if sys.argv[2] == '-' else sys.argv[2], num_threads=int(sys.argv[3]) or None,
+    quantization=None if sys.argv[4] == '-' else sys.argv[4])
 print(time.time() - t0)
 """
 
 
-def measure_startup(model: str | None, num_threads: int) -> float:
+def measure_startup(model: str | None, num_threads: int, quantization: str | None = None) -> float:
     """Seconds from launching a fresh Python process to an engine ready to serve (imports included)."""
-    out = subprocess.run([sys.executable, "-c", _READY_SCRIPT, repr(time.time()), model or "-", str(num_threads)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _READY_SCRIPT, repr(time.time()), model or "-", str(num_threads),
+                          quantization or "-"], check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def measure_decode(model: str | None, prompt_len: int, output_len: int, num_threads: int) -> dict:
+def measure_decode(model: str | None, prompt_len: int, output_len: int, num_threads: int,
+                   quantization: str | None = None, profile: bool = False) -> dict:
+    """Batch-1 greedy decode: wall-clock figures, and process CPU time per output token (robust to a
+    shared machine, where wall time includes waiting for a core)."""
     from ecoserve.engine.llm import LLM
     from ecoserve.sampling import SamplingParams
 
-    llm = LLM(model, num_threads=num_threads or None)
+    llm = LLM(model, num_threads=num_threads or None, quantization=quantization)
     prompt = {"prompt_token_ids": [100 + i % 1000 for i in range(prompt_len)]}
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     m = out.metrics
     ttft = m.first_token_time - m.arrival_time
     decode_s = m.last_token_time - m.first_token_time
-    return {"ttft_s": ttft, "decode_tokens_per_s": (output_len - 1) / decode_s, "e2e_s": elapsed,
-            "tpot_ms": 1000 * decode_s / (output_len - 1)}
+    figures = {"ttft_s": ttft, "decode_tokens_per_s": (output_len - 1) / decode_s, "e2e_s": elapsed,
+               "tpot_ms": 1000 * decode_s / (output_len - 1), "cpu_ms_per_token": 1000 * cpu / output_len}
+    if profile:
+        from ecoserve.bench.profile import report
+
+        figures["profile"] = report(lambda: llm.generate([prompt], params, use_tqdm=False), output_len, "token")
+    return figures
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,17 +57,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"])
+    p.add_argument("--profile", action="store_true", help="print where the CPU time of a decode goes")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    startup = measure_startup(args.model, args.num_threads)
-    figures = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "startup_s": startup,
-               **measure_decode(args.model, args.prompt_len, args.output_len, args.num_threads)}
+    startup = measure_startup(args.model, args.num_threads, args.quantization)
+    figures = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "quantization": args.quantization,
+               "startup_s": startup, **measure_decode(args.model, args.prompt_len, args.output_len,
+                                                       args.num_threads, args.quantization, args.profile)}
     print(f"start-up (process start to ready): {startup:.2f} s")
     print(f"batch-1: TTFT {figures['ttft_s'] * 1000:.0f} ms for {args.prompt_len} prompt tokens, "
-          f"decode {figures['decode_tokens_per_s']:.1f} tokens/s (TPOT {figures['tpot_ms']:.1f} ms)")
+          f"decode {figures['decode_tokens_per_s']:.1f} tokens/s (TPOT {figures['tpot_ms']:.1f} ms, "
+          f"{figures['cpu_ms_per_token']:.1f} ms process CPU per token)")
+    if args.profile:
+        print(figures["profile"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(figures, indent=2))

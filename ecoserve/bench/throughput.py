@@ -103,14 +103,23 @@ def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
 
     t0 = time.perf_counter()
     llm = LLM(model, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              scheduling_policy=args.policy, num_threads=args.num_threads, dtype=args.dtype)
+              scheduling_policy=args.policy, num_threads=args.num_threads, dtype=args.dtype,
+              quantization=args.quantization)
     startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+
+    def run():
+        return llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
+
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
+    outs = run()
     elapsed = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
+    if args.profile:
+        from ecoserve.bench.profile import report
+
+        print(report(run, wl.num_output_tokens, "output token"))
     return _figures("ecoserve", wl, elapsed, startup)
 
 
@@ -158,6 +167,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"])
+    p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers on the same requests")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--json", default=None, help="write the figures to this path")
