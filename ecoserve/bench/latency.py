@@ -57,24 +57,65 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-threads", type=int, default=0)
-    p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"])
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "gguf", "int8"],
+                   help="one run per value, side by side (e.g. --quantization none gguf)")
+    p.add_argument("--compare", choices=["llama-cpp"], default=None,
+                   help="also run llama.cpp (llama-cpp-python) on the same GGUF file, prompt and threads")
+    p.add_argument("--peer-python", default=sys.executable,
+                   help="the interpreter that has llama-cpp-python (e.g. its own venv's bin/python)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of the systems in turn")
     p.add_argument("--profile", action="store_true", help="print where the CPU time of a decode goes")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 
 
+def _print_decode(name: str, figures: dict, prompt_len: int) -> None:
+    print(f"{name:<24} TTFT {figures['ttft_s'] * 1000:6.0f} ms ({prompt_len} prompt tokens), decode "
+          f"{figures['decode_tokens_per_s']:6.1f} tokens/s (TPOT {figures['tpot_ms']:6.1f} ms, "
+          f"{figures['cpu_ms_per_token']:5.1f} ms process CPU per token)")
+
+
 def main(args: argparse.Namespace) -> int:
-    startup = measure_startup(args.model, args.num_threads, args.quantization)
-    figures = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "quantization": args.quantization,
-               "startup_s": startup, **measure_decode(args.model, args.prompt_len, args.output_len,
-                                                       args.num_threads, args.quantization, args.profile)}
-    print(f"start-up (process start to ready): {startup:.2f} s")
-    print(f"batch-1: TTFT {figures['ttft_s'] * 1000:.0f} ms for {args.prompt_len} prompt tokens, "
-          f"decode {figures['decode_tokens_per_s']:.1f} tokens/s (TPOT {figures['tpot_ms']:.1f} ms, "
-          f"{figures['cpu_ms_per_token']:.1f} ms process CPU per token)")
-    if args.profile:
-        print(figures["profile"])
+    from ecoserve.bench import llama_cpp
+    from ecoserve.model.loader import gguf_file
+
+    quantizations = [None if q == "none" else q for q in args.quantization]
+    if args.compare == "llama-cpp" and gguf_file(args.model) is None:
+        raise SystemExit("--compare llama-cpp needs a .gguf model (or the embedded default)")
+    prompt_ids = [100 + i % 1000 for i in range(args.prompt_len)]
+    runs: list[dict] = []
+    for quantization in quantizations:
+        startup = measure_startup(args.model, args.num_threads, quantization)
+        print(f"ecoserve (quantization {quantization or 'none'}) start-up (process start to ready): {startup:.2f} s")
+        runs.append({"system": f"ecoserve-{quantization or 'float32'}", "startup_s": startup})
+    for round_ in range(args.repeats):
+        for quantization, run in zip(quantizations, runs):
+            figures = measure_decode(args.model, args.prompt_len, args.output_len, args.num_threads, quantization,
+                                     args.profile and round_ == 0)
+            run.setdefault("rounds", []).append(figures)
+            _print_decode(run["system"], figures, args.prompt_len)
+            if "profile" in figures:
+                print(figures.pop("profile"))
+        if args.compare == "llama-cpp":
+            if round_ == 0:
+                runs.append({"system": "llama.cpp", "rounds": []})
+            figures = llama_cpp.measure_decode(args.peer_python, gguf_file(args.model), prompt_ids, args.output_len,
+                                               args.num_threads or 1)
+            runs[-1]["rounds"].append(figures)
+            _print_decode("llama.cpp", figures, args.prompt_len)
+    _print_ratios(runs)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        Path(args.json).write_text(json.dumps({"model": args.model or "SmolLM2-135M-Instruct (embedded)",
+                                               "num_threads": args.num_threads, "runs": runs}, indent=2))
     return 0
+
+
+def _print_ratios(runs: list[dict]) -> None:
+    """Every pair of systems, round by round (a shared machine: only side-by-side ratios mean much)."""
+    for i, base in enumerate(runs):
+        for other in runs[i + 1:]:
+            pairs = list(zip(base["rounds"], other["rounds"]))
+            speed = ", ".join(f"x{o['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}" for b, o in pairs)
+            cpu = ", ".join(f"x{b['cpu_ms_per_token'] / o['cpu_ms_per_token']:.2f}" for b, o in pairs)
+            print(f"{other['system']} / {base['system']}: decode tokens/s {speed}; tokens per CPU second {cpu}")
