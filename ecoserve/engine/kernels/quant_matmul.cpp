@@ -19,12 +19,11 @@
 // integer dot product and one float FMA. Nibbles are centred (q - 8) so the activations' rounding
 // error is not multiplied by a positive mean: Q4_1's w = d (q - 8) + (m + 8 d), whose offset
 // multiplies the exact float sum of x's block.
-// Each weight row is read once for all (at most kMaxRows) activation rows; rows split across threads.
+// Each weight row is read from memory once for all activation rows; rows split across threads.
 
 namespace {
 
 constexpr int64_t QK = 32;
-constexpr int64_t kMaxRows = 16;  // activation rows per call (decode batches); larger ones dequantize
 
 int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
@@ -148,26 +147,24 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64
               int64_t M, int64_t K, float* out, int64_t N) {
   constexpr int64_t bb = QT == 2 ? 18 : QT == 3 ? 20 : 34;
   for (int64_t n = n0; n < n1; ++n) {
-    float acc[kMaxRows] = {0.f};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + n * row_bytes + b * bb;
-      const float d = half_to_float(blk);
-      int32_t wq[QK];
-      if constexpr (QT == 8) {
-        for (int j = 0; j < QK; ++j) wq[j] = reinterpret_cast<const int8_t*>(blk + 2)[j];
-      } else {
-        const uint8_t* qs = blk + (QT == 3 ? 4 : 2);
-        for (int j = 0; j < 16; ++j) { wq[j] = (qs[j] & 0x0F) - 8; wq[j + 16] = (qs[j] >> 4) - 8; }
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t i = m * nb + b;
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + n * row_bytes + b * bb;
+        const float d = half_to_float(blk);
         const int8_t* xq = xr.q.data() + m * K + b * QK;
         int32_t s = 0;
-        for (int j = 0; j < QK; ++j) s += wq[j] * xq[j];
-        acc[m] += d * xr.scale[i] * s + (QT == 3 ? (half_to_float(blk + 2) + 8.f * d) * xr.sum[i] : 0.f);
+        if constexpr (QT == 8) {
+          for (int j = 0; j < QK; ++j) s += reinterpret_cast<const int8_t*>(blk + 2)[j] * xq[j];
+        } else {
+          const uint8_t* qs = blk + (QT == 3 ? 4 : 2);
+          for (int j = 0; j < 16; ++j) s += ((qs[j] & 0x0F) - 8) * xq[j] + ((qs[j] >> 4) - 8) * xq[j + 16];
+        }
+        const int64_t i = m * nb + b;
+        acc += d * xr.scale[i] * s + (QT == 3 ? (half_to_float(blk + 2) + 8.f * d) * xr.sum[i] : 0.f);
       }
+      out[m * N + n] = acc;
     }
-    for (int64_t m = 0; m < M; ++m) out[m * N + n] = acc[m];
   }
 }
 #endif
@@ -181,12 +178,11 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
 
 }  // namespace
 
-// x [M, K] float32 (M <= 16) @ dequant(w)^T -> [M, N] float32.
+// x [M, K] float32 @ dequant(w)^T -> [M, N] float32.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "quant_linear: x must be 2-D float32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / QK;
-  TORCH_CHECK(M <= kMaxRows, "quant_linear: at most ", kMaxRows, " rows, got ", M);
   check_weight(w, qtype, K);
   const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, x.options());
