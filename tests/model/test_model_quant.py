@@ -119,3 +119,14 @@ def test_embedded_smollm2_engine_greedy_equals_dequantized_except_near_ties():
             margin = float((top[0] - top[1]) / logits.abs().max())
             assert margin < 2 * SMOLLM2_LOGIT_TOL, f"{question!r} parted at token {parted}, margin {margin:.3f}"
             print(f"{question!r}: parted at token {parted} of {len(ref)}, near-tie margin {margin:.4f}")
+
+
+def test_tensor_index_is_rebuilt_for_a_conversion_made_without_one(tmp_path):
+    from ecoserve.model.gguf import TENSOR_INDEX, cached_conversion
+
+    path = make_tiny_gguf(make_tiny_checkpoint(tmp_path / "ckpt", "llama"), tmp_path / "q4.gguf", GGML.Q4_0)
+    index = cached_conversion(path) / TENSOR_INDEX
+    expected = index.read_text()
+    index.unlink()  # as a conversion cached before quantized loading existed
+    model = load_model(str(path), quantization="gguf").model
+    assert index.read_text() == expected and isinstance(model.lm_head, QuantLinear)
