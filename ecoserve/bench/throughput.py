@@ -49,6 +49,7 @@ class Figures:
     total_tokens_per_s: float
     startup_s: float | None = None
     achieved_gflops: float | None = None
+    cpu_s: float | None = None  # process CPU time of the run (robust to a shared machine)
 
 
 def make_random_llama(path: Path) -> Path:
@@ -111,16 +112,18 @@ def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
     def run():
         return llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outs = run()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
     if args.profile:
         from ecoserve.bench.profile import report
 
         print(report(run, wl.num_output_tokens, "output token"))
-    return _figures("ecoserve", wl, elapsed, startup)
+    figures = _figures("ecoserve", wl, elapsed, startup)
+    figures.cpu_s = cpu
+    return figures
 
 
 def run_hf(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
@@ -201,6 +204,9 @@ def main(args: argparse.Namespace) -> int:
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
     if len(results) == 2:
         print(f"ecoserve / hf output throughput: {results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x")
+    if results[0].cpu_s is not None:
+        print(f"ecoserve process CPU: {results[0].cpu_s:.1f} s "
+              f"({wl.num_output_tokens / results[0].cpu_s:.1f} output tokens per CPU second)")
     if results[0].startup_s is not None:
         print(f"ecoserve engine start-up (load + KV allocation): {results[0].startup_s:.2f} s")
     if args.json:
