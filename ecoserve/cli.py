@@ -5,11 +5,13 @@ import argparse
 import logging
 import sys
 
+from ecoserve.config import QUANTIZATIONS
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF dir, hub id or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"],
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weight-only quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model "
                         "keeps its Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints")
     p.add_argument("--scheduling-policy", default="chunked")

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# --quantization: none (float weights), gguf (a GGUF file's blocks as stored), int8 (Q8_0 of a float checkpoint)
+QUANTIZATIONS = ("none", "gguf", "int8")
+
 
 def _need(ok: bool, message: str) -> None:
     if not ok:
@@ -121,5 +124,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
               f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
-        _need(self.quantization in (None, "none", "gguf", "int8"),
-              f"quantization must be one of none, gguf, int8; got {self.quantization!r}")
+        _need(self.quantization is None or self.quantization in QUANTIZATIONS,
+              f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")

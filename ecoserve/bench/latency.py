@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from ecoserve.config import QUANTIZATIONS
+
 _READY_SCRIPT = """
 import sys, time
 t0 = float(sys.argv[1])
@@ -57,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-threads", type=int, default=0)
-    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "gguf", "int8"],
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
                    help="one run per value, side by side (e.g. --quantization none gguf)")
     p.add_argument("--compare", choices=["llama-cpp"], default=None,
                    help="also run llama.cpp (llama-cpp-python) on the same GGUF file, prompt and threads")

@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ecoserve.config import QUANTIZATIONS
+
 # A random Llama of about 125M parameters, the benchmark's reference model on CPU.
 LLAMA_125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                   intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048)
@@ -170,7 +172,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=["none", "gguf", "int8"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
     p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers on the same requests")
     p.add_argument("--hf-batch-size", type=int, default=16)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from ecoserve.model.parallel import ShardPlan, StageLink, TPComm
-from ecoserve.model.quant import QUANTIZATIONS, describe_weights, quantize_linears_int8, quantize_model_modules, weight_bytes
+from ecoserve.config import QUANTIZATIONS
+from ecoserve.model.quant import describe_weights, quantize_linears_int8, quantize_model_modules, weight_bytes
 from ecoserve.model.registry import get_model_class
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 
@@ -163,7 +164,7 @@ def resolve_quantization(quantization: str | None, dtype: str | torch.dtype, is_
     if quantization in (None, "none"):
         return None
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of none, {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if quantization == "gguf" and not is_gguf:
         raise ValueError("--quantization gguf needs a .gguf model; use --quantization int8 for other checkpoints")
     if dtype not in ("auto", "float32", torch.float32) or torch.device(device).type != "cpu":

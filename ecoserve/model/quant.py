@@ -29,7 +29,6 @@ class QuantType:
 
 QUANT_TYPES = {q.ggml_type: q for q in (QuantType("Q4_0", 2, 18), QuantType("Q4_1", 3, 20),
                                         QuantType("Q8_0", 8, 34))}
-QUANTIZATIONS = ("gguf", "int8")  # --quantization values; int8 quantizes float checkpoints to Q8_0
 # Rows up to this many use the integer kernel; above it, dequantize + float GEMM measured faster.
 MAX_KERNEL_ROWS = 16
 
