@@ -29,7 +29,9 @@ class QuantType:
 
 QUANT_TYPES = {q.ggml_type: q for q in (QuantType("Q4_0", 2, 18), QuantType("Q4_1", 3, 20),
                                         QuantType("Q8_0", 8, 34))}
-# Rows up to this many use the integer kernel; above it, dequantize + float GEMM measured faster.
+# Rows up to this many use the integer kernel; above it, dequantize + float GEMM. Measured (one thread,
+# a 3072x576 Q4_1 layer): the kernel takes 81 us at 1 row against 744 us to dequantize and multiply,
+# 760 against 1308 at 16 rows, and loses from 64 rows on (3108 against 2943).
 MAX_KERNEL_ROWS = 16
 
 
