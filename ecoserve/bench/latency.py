@@ -27,6 +27,11 @@ def measure_startup(model: str | None, num_threads: int, quantization: str | Non
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def prompt_token_ids(prompt_len: int) -> list[int]:
+    """The benchmark's prompt: fixed ordinary token ids, the same for every system."""
+    return [100 + i % 1000 for i in range(prompt_len)]
+
+
 def measure_decode(model: str | None, prompt_len: int, output_len: int, num_threads: int,
                    quantization: str | None = None, profile: bool = False) -> dict:
     """Batch-1 greedy decode: wall-clock figures, and process CPU time per output token (robust to a
@@ -35,7 +40,7 @@ def measure_decode(model: str | None, prompt_len: int, output_len: int, num_thre
     from ecoserve.sampling import SamplingParams
 
     llm = LLM(model, num_threads=num_threads or None, quantization=quantization)
-    prompt = {"prompt_token_ids": [100 + i % 1000 for i in range(prompt_len)]}
+    prompt = {"prompt_token_ids": prompt_token_ids(prompt_len)}
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -78,13 +83,12 @@ def _print_decode(name: str, figures: dict, prompt_len: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ecoserve.bench import llama_cpp
+    from ecoserve.bench import peers
     from ecoserve.model.loader import gguf_file
 
     quantizations = [None if q == "none" else q for q in args.quantization]
     if args.compare == "llama-cpp" and gguf_file(args.model) is None:
         raise SystemExit("--compare llama-cpp needs a .gguf model (or the embedded default)")
-    prompt_ids = [100 + i % 1000 for i in range(args.prompt_len)]
     runs: list[dict] = []
     for quantization in quantizations:
         startup = measure_startup(args.model, args.num_threads, quantization)
@@ -101,8 +105,12 @@ def main(args: argparse.Namespace) -> int:
         if args.compare == "llama-cpp":
             if round_ == 0:
                 runs.append({"system": "llama.cpp", "rounds": []})
-            figures = llama_cpp.measure_decode(args.peer_python, gguf_file(args.model), prompt_ids, args.output_len,
-                                               args.num_threads or 1)
+            try:
+                figures = peers.llama_cpp_decode(args.peer_python, gguf_file(args.model),
+                                                 prompt_token_ids(args.prompt_len), args.output_len,
+                                                 args.num_threads or 1)
+            except peers.PeerUnavailable as e:
+                raise SystemExit(f"--compare llama-cpp: {e}") from None
             runs[-1]["rounds"].append(figures)
             _print_decode("llama.cpp", figures, args.prompt_len)
     _print_ratios(runs)

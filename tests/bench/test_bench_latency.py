@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
 
-from ecoserve.bench import latency, llama_cpp
+from ecoserve.bench import latency, peers
 from ecoserve.bench.profile import cprofile_top, torch_breakdown
 from tests.utils import make_tiny_checkpoint, make_tiny_gguf
 
@@ -39,13 +39,13 @@ def fake_peer(tmp_path, monkeypatch):
 
 
 def test_llama_cpp_peer_figures(fake_peer, tmp_path):
-    figures = llama_cpp.measure_decode(fake_peer, tmp_path / "m.gguf", [5, 6, 7], 9, 1)
+    figures = peers.llama_cpp_decode(fake_peer, tmp_path / "m.gguf", [5, 6, 7], 9, 1)
     assert figures["tokens"] == 9 and figures["decode_tokens_per_s"] > 0 and figures["cpu_ms_per_token"] >= 0
 
 
 def test_missing_llama_cpp_is_reported(tmp_path):
-    with pytest.raises(llama_cpp.PeerUnavailable, match="No module named 'llama_cpp'"):
-        llama_cpp.measure_decode(sys.executable, tmp_path / "m.gguf", [5], 4, 1)
+    with pytest.raises(peers.PeerUnavailable, match="No module named 'llama_cpp'"):
+        peers.llama_cpp_decode(sys.executable, tmp_path / "m.gguf", [5], 4, 1)
 
 
 def test_latency_runs_quantizations_and_peer_side_by_side(fake_peer, tmp_path, capsys):

@@ -1,13 +1,16 @@
-"""llama.cpp as a peer in `ecoserve bench latency --compare llama-cpp`: the same GGUF file, prompt
-token ids, greedy decode and thread count, run by llama-cpp-python in a subprocess (usually its own
-virtual environment: `--peer-python`), timed the way our own batch-1 decode is timed."""
+"""Peer systems in the benchmarks, each run in a subprocess of the interpreter that has it (usually
+its own virtual environment: `--peer-python`) and timed the way we time ourselves.
+
+llama.cpp (`ecoserve bench latency --compare llama-cpp`): the same GGUF file, prompt token ids,
+greedy decode and thread count, through llama-cpp-python.
+"""
 from __future__ import annotations
 
 import json
 import subprocess
 from pathlib import Path
 
-_SCRIPT = r"""
+_LLAMA_CPP_SCRIPT = r"""
 import json, sys, time
 from llama_cpp import Llama
 path, threads, out_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -31,15 +34,20 @@ class PeerUnavailable(RuntimeError):
     """The peer could not run (not installed in that interpreter, or it failed): said, never hidden."""
 
 
-def measure_decode(python: str, gguf_path: Path, prompt_ids: list[int], output_len: int, num_threads: int,
-                   timeout_s: float = 600) -> dict:
-    """llama.cpp's batch-1 greedy decode figures (same keys as ours) on `gguf_path`."""
+def _run(peer: str, python: str, script: str, argv: list[str], timeout_s: float) -> dict:
+    """The JSON line `script` prints last, run by `python`."""
     try:
-        out = subprocess.run([python, "-c", _SCRIPT, str(gguf_path), str(num_threads), str(output_len),
-                              json.dumps(prompt_ids)], capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run([python, "-c", script, *argv], capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise PeerUnavailable(f"llama-cpp-python under {python} did not run: {e}") from None
+        raise PeerUnavailable(f"{peer} under {python} did not run: {e}") from None
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise PeerUnavailable(f"llama-cpp-python under {python} failed: {tail}")
+        raise PeerUnavailable(f"{peer} under {python} failed: {tail}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_decode(python: str, gguf_path: Path, prompt_ids: list[int], output_len: int, num_threads: int,
+                     timeout_s: float = 600) -> dict:
+    """llama.cpp's batch-1 greedy decode figures (same keys as ours) on `gguf_path`."""
+    return _run("llama-cpp-python", python, _LLAMA_CPP_SCRIPT,
+                [str(gguf_path), str(num_threads), str(output_len), json.dumps(prompt_ids)], timeout_s)
