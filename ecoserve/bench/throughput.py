@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -154,6 +155,24 @@ def run_hf(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
     return _figures("hf-transformers", wl, time.perf_counter() - t0)
 
 
+def run_vllm(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
+    """vLLM's CPU build on the same requests and scheduler limits (a GGUF model: its cached HF conversion)."""
+    from ecoserve.bench import peers
+    from ecoserve.model.loader import resolve_model_path
+
+    try:
+        out = peers.vllm_generate(args.peer_python, resolve_model_path(model), wl.prompts, wl.output_lens,
+                                  args.num_threads or os.cpu_count() or 1, args.max_num_batched_tokens,
+                                  args.max_num_seqs)
+    except peers.PeerUnavailable as e:
+        raise SystemExit(f"--compare vllm: {e}") from None
+    if out["output_tokens"] != wl.num_output_tokens:
+        raise SystemExit(f"--compare vllm: vLLM produced {out['output_tokens']} tokens, not {wl.num_output_tokens}")
+    figures = _figures("vllm-cpu", wl, out["elapsed_s"], out["startup_s"])
+    figures.cpu_s = out["cpu_s"]
+    return figures
+
+
 def _figures(system: str, wl: Workload, elapsed: float, startup: float | None = None) -> Figures:
     n = len(wl.prompts)
     return Figures(system, elapsed, n / elapsed, wl.num_output_tokens / elapsed,
@@ -174,7 +193,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers on the same requests")
+    p.add_argument("--compare", choices=["hf", "vllm"], default=None,
+                   help="also run HF transformers, or vLLM's CPU build (in --peer-python), on the same requests")
+    p.add_argument("--peer-python", default=sys.executable, help="the interpreter that has vLLM (its own venv)")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--json", default=None, help="write the figures to this path")
     p.add_argument("--no-tqdm", action="store_true")
@@ -190,6 +211,8 @@ def main(args: argparse.Namespace) -> int:
     results = [run_ecoserve(model, wl, args)]
     if args.compare == "hf":
         results.append(run_hf(model, wl, args))
+    elif args.compare == "vllm":
+        results.append(run_vllm(model, wl, args))
     peak = measure_matmul_peak()
     if config:
         mean_ctx = sum(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens)) / len(wl.prompts)
@@ -204,11 +227,15 @@ def main(args: argparse.Namespace) -> int:
         gf = r.achieved_gflops or 0.0
         print(f"{r.system:<18}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
+    for r in results:
+        if r.cpu_s is not None:
+            print(f"{r.system} process CPU: {r.cpu_s:.1f} s ({wl.num_output_tokens / r.cpu_s:.1f} output tokens per "
+                  f"CPU second)")
     if len(results) == 2:
-        print(f"ecoserve / hf output throughput: {results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x")
-    if results[0].cpu_s is not None:
-        print(f"ecoserve process CPU: {results[0].cpu_s:.1f} s "
-              f"({wl.num_output_tokens / results[0].cpu_s:.1f} output tokens per CPU second)")
+        ours, peer = results
+        print(f"ecoserve / {peer.system} output throughput: {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x")
+        if ours.cpu_s and peer.cpu_s:
+            print(f"ecoserve / {peer.system} output tokens per CPU second: {peer.cpu_s / ours.cpu_s:.2f}x")
     if results[0].startup_s is not None:
         print(f"ecoserve engine start-up (load + KV allocation): {results[0].startup_s:.2f} s")
     if args.json:
