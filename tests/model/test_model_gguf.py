@@ -123,7 +123,7 @@ def test_embedded_smollm2_matches_transformers_gguf():
 
     from ecoserve.model.default import default_gguf_path
 
-    loaded = load_model(None, dtype="float32")  # the dequantized path; the default keeps GGUF blocks
+    loaded = load_model(None)
     assert loaded.name == "SmolLM2-135M-Instruct" and loaded.spec.tie_word_embeddings
     gguf_path = default_gguf_path()
     ref = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
