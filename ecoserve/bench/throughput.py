@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ecoserve.config import QUANTIZATIONS
+from ecoserve.config import CPU_LINEARS, QUANTIZATIONS
 
 # A random Llama of about 125M parameters, the benchmark's reference model on CPU.
 LLAMA_125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -108,7 +108,7 @@ def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
     t0 = time.perf_counter()
     llm = LLM(model, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               scheduling_policy=args.policy, num_threads=args.num_threads, dtype=args.dtype,
-              quantization=args.quantization)
+              quantization=args.quantization, cpu_linear=args.cpu_linear)
     startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
 
@@ -192,6 +192,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--cpu-linear", default="torch", choices=CPU_LINEARS)
     p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
     p.add_argument("--compare", choices=["hf", "vllm"], default=None,
                    help="also run HF transformers, or vLLM's CPU build (in --peer-python), on the same requests")

@@ -192,6 +192,9 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers, each storage counted once (tied weights once)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_mkldnn:  # an opaque prepacked weight (ecoserve.model.packed): no storage to share
+            total += t.numel() * t.element_size()
+            continue
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
@@ -205,6 +208,8 @@ def describe_weights(model: nn.Module) -> str:
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             kind = QUANT_TYPES[module.ggml_type].name
+        elif hasattr(module, "packed"):
+            kind = "float32 oneDNN-packed"
         elif _is_linear(module) or _is_embedding(module):
             kind = str(module.weight.dtype).removeprefix("torch.")
         else:
