@@ -249,12 +249,12 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
 
 # (prompt-step overhead s, s per hybrid decode token): 15 / 30 ms are the prototype's figures for eager
 # (non-CUDA-graph) prompt steps in vLLM 0.7.3 (issue 8); 5 ms and 0.5 ms per decode bracket them.
-STEP_COSTS = ((0.0, 0.0), (0.005, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005), (0.030, 0.0005))
+STEP_COSTS = ((0.0, 0.0), (0.005, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005))
 
 
 @EXPERIMENTS.register("stepcost")
 def step_cost_sweep(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
-                    strategies=("vllm", "sarathi", "distserve", "ecoserve", "ecoserve_ref"), costs=STEP_COSTS) -> dict:
+                    strategies=("vllm", "sarathi", "ecoserve", "ecoserve_ref"), costs=STEP_COSTS) -> dict:
     """P90 goodput as steps that carry prompt tokens cost more (`StepTypeCosts`), for each series."""
     res = {}
     for overhead, hybrid in costs:
