@@ -42,7 +42,8 @@ def _mean(vals: list[float]) -> float | None:
 
 
 def _drop(first: float, last: float) -> str:
-    return f"-{100 * (1 - last / first):.1f}%" if first else "n/a"
+    """The change from the first column to the last, signed (the paper reports drops as negative)."""
+    return f"{100 * (last / first - 1):+.1f}%" if first else "n/a"
 
 
 def overall(runs: list[dict]) -> None:
@@ -144,10 +145,23 @@ def mitosis(runs: list[dict]) -> None:
               + " | ".join(f"{r['attainment']:.3f}, {r['instances']}, {r['sizes']}" for r in rows) + " |")
 
 
+def windows(runs: list[dict]) -> None:
+    print("| req/s / series | attainment | TTFT p90 (s) | TPOT p90 (ms) | windows per instance | window share "
+          "(x 1/8), min-max | mean window (s), min-max | busy, min-max |\n|---|---|---|---|---|---|---|---|")
+    for key, v in runs[0]["runs"].items():
+        rate, s = key.split("/")
+        mw = [w for w in (v["mean_window_s"] or []) if w is not None]
+        share = v["window_share_min_max"]
+        print(f"| {rate} {ECO.get(s, s)} | {v['attainment']:.3f} | {v['ttft_p90']:.2f} | {1e3 * v['tpot_p90']:.1f} | "
+              f"{' '.join(map(str, v['windows'])) if v['windows'] else '-'} | "
+              f"{f'{share[0]:.2f}-{share[1]:.2f}' if share else '-'} | "
+              f"{f'{min(mw):.2f}-{max(mw):.2f}' if mw else '-'} | {min(v['busy']):.2f}-{max(v['busy']):.2f} |")
+
+
 def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "results/sim")
     for name, fn in (("overall", overall), ("slo", slo), ("burstiness", burst), ("scaling", scaling),
-                     ("ablation", ablation), ("stepcost", stepcost), ("mitosis", mitosis)):
+                     ("ablation", ablation), ("stepcost", stepcost), ("windows", windows), ("mitosis", mitosis)):
         runs = _find(root, name)
         if runs:
             print(f"### {name}\n")
