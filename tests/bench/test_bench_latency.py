@@ -31,11 +31,8 @@ _FAKE_LLAMA_CPP = textwrap.dedent("""
 
 
 @pytest.fixture
-def fake_peer(tmp_path, monkeypatch):
-    (tmp_path / "fakepkgs" / "llama_cpp").mkdir(parents=True)
-    (tmp_path / "fakepkgs" / "llama_cpp" / "__init__.py").write_text(_FAKE_LLAMA_CPP)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fakepkgs"))
-    return sys.executable
+def fake_peer(stand_in_package):
+    return stand_in_package("llama_cpp", _FAKE_LLAMA_CPP)
 
 
 def test_llama_cpp_peer_figures(fake_peer, tmp_path):

@@ -51,11 +51,8 @@ _FAKE_VLLM = textwrap.dedent("""
 
 
 @pytest.fixture
-def fake_vllm(tmp_path, monkeypatch):
-    (tmp_path / "fakepkgs" / "vllm").mkdir(parents=True)
-    (tmp_path / "fakepkgs" / "vllm" / "__init__.py").write_text(_FAKE_VLLM)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fakepkgs"))
-    return sys.executable
+def fake_vllm(stand_in_package):
+    return stand_in_package("vllm", _FAKE_VLLM)
 
 
 def test_vllm_peer_runs_the_same_requests(fake_vllm, tmp_path):
