@@ -9,10 +9,13 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ecoserve.config import CPU_LINEARS, QUANTIZATIONS
 
 # A random Llama of about 125M parameters, the benchmark's reference model on CPU.
 LLAMA_125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -49,6 +52,7 @@ class Figures:
     total_tokens_per_s: float
     startup_s: float | None = None
     achieved_gflops: float | None = None
+    cpu_s: float | None = None  # process CPU time of the run (robust to a shared machine)
 
 
 def make_random_llama(path: Path) -> Path:
@@ -103,15 +107,26 @@ def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
 
     t0 = time.perf_counter()
     llm = LLM(model, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              scheduling_policy=args.policy, num_threads=args.num_threads, dtype=args.dtype)
+              scheduling_policy=args.policy, num_threads=args.num_threads, dtype=args.dtype,
+              quantization=args.quantization, cpu_linear=args.cpu_linear)
     startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
-    elapsed = time.perf_counter() - t0
+
+    def run():
+        return llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    outs = run()
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
-    return _figures("ecoserve", wl, elapsed, startup)
+    if args.profile:
+        from ecoserve.bench.profile import report
+
+        print(report(run, wl.num_output_tokens, "output token"))
+    figures = _figures("ecoserve", wl, elapsed, startup)
+    figures.cpu_s = cpu
+    return figures
 
 
 def run_hf(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
@@ -140,6 +155,24 @@ def run_hf(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
     return _figures("hf-transformers", wl, time.perf_counter() - t0)
 
 
+def run_vllm(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
+    """vLLM's CPU build on the same requests and scheduler limits (a GGUF model: its cached HF conversion)."""
+    from ecoserve.bench import peers
+    from ecoserve.model.loader import resolve_model_path
+
+    try:
+        out = peers.vllm_generate(args.peer_python, resolve_model_path(model), wl.prompts, wl.output_lens,
+                                  args.num_threads or os.cpu_count() or 1, args.max_num_batched_tokens,
+                                  args.max_num_seqs)
+    except peers.PeerUnavailable as e:
+        raise SystemExit(f"--compare vllm: {e}") from None
+    if out["output_tokens"] != wl.num_output_tokens:
+        raise SystemExit(f"--compare vllm: vLLM produced {out['output_tokens']} tokens, not {wl.num_output_tokens}")
+    figures = _figures("vllm-cpu", wl, out["elapsed_s"], out["startup_s"])
+    figures.cpu_s = out["cpu_s"]
+    return figures
+
+
 def _figures(system: str, wl: Workload, elapsed: float, startup: float | None = None) -> Figures:
     n = len(wl.prompts)
     return Figures(system, elapsed, n / elapsed, wl.num_output_tokens / elapsed,
@@ -158,7 +191,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers on the same requests")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--cpu-linear", default="torch", choices=CPU_LINEARS)
+    p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
+    p.add_argument("--compare", choices=["hf", "vllm"], default=None,
+                   help="also run HF transformers, or vLLM's CPU build (in --peer-python), on the same requests")
+    p.add_argument("--peer-python", default=sys.executable, help="the interpreter that has vLLM (its own venv)")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--json", default=None, help="write the figures to this path")
     p.add_argument("--no-tqdm", action="store_true")
@@ -174,6 +212,8 @@ def main(args: argparse.Namespace) -> int:
     results = [run_ecoserve(model, wl, args)]
     if args.compare == "hf":
         results.append(run_hf(model, wl, args))
+    elif args.compare == "vllm":
+        results.append(run_vllm(model, wl, args))
     peak = measure_matmul_peak()
     if config:
         mean_ctx = sum(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens)) / len(wl.prompts)
@@ -188,8 +228,15 @@ def main(args: argparse.Namespace) -> int:
         gf = r.achieved_gflops or 0.0
         print(f"{r.system:<18}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
+    for r in results:
+        if r.cpu_s is not None:
+            print(f"{r.system} process CPU: {r.cpu_s:.1f} s ({wl.num_output_tokens / r.cpu_s:.1f} output tokens per "
+                  f"CPU second)")
     if len(results) == 2:
-        print(f"ecoserve / hf output throughput: {results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x")
+        ours, peer = results
+        print(f"ecoserve / {peer.system} output throughput: {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x")
+        if ours.cpu_s and peer.cpu_s:
+            print(f"ecoserve / {peer.system} output tokens per CPU second: {peer.cpu_s / ours.cpu_s:.2f}x")
     if results[0].startup_s is not None:
         print(f"ecoserve engine start-up (load + KV allocation): {results[0].startup_s:.2f} s")
     if args.json:
