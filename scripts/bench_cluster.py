@@ -27,6 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from validate_sim import measure_profile, wait_ready  # noqa: E402 (a script beside this one)
+
 STRATEGIES = ("ecoserve", "vllm", "sarathi", "distserve", "mooncake")
 FUDG = ("distserve", "mooncake")
 CLI = [sys.executable, "-m", "ecoserve.cli"]
@@ -60,21 +63,6 @@ def serve_cmd(a: argparse.Namespace, strategy: str, n: int, port: int, mock_prof
     return cmd
 
 
-def wait_healthy(port: int, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode}; see its log")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"the cluster on port {port} was not healthy within {timeout_s:.0f} s")
-
-
 def run_server(a: argparse.Namespace, strategy: str, n: int, rates: list[float], num_prompts: int, out: Path,
                mock_profile: Path | None = None) -> tuple[list[dict], list[dict]]:
     """Start the cluster once, run the bench at each rate; returns the bench results and /cluster at the end."""
@@ -85,7 +73,7 @@ def run_server(a: argparse.Namespace, strategy: str, n: int, rates: list[float],
                               start_new_session=True)
     results = []
     try:
-        wait_healthy(port, server)
+        wait_ready(port, server, path="/health")
         for rate in rates:
             name = f"{tag}_rate{rate:g}.json"
             subprocess.run([*CLI, "bench", "serve", *bench_args(a, port, rate, num_prompts, out, name)],
@@ -224,8 +212,6 @@ def main() -> int:
     if not a.skip_mock:
         profile = Path(a.profile) if a.profile else out / "profile.csv"
         if not a.profile:
-            sys.path.insert(0, str(Path(__file__).parent))
-            from validate_sim import measure_profile
             measure_profile(None, 1, profile, reps=3)
         report["profile"] = profile.read_text()
         for s in strategies:
