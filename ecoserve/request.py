@@ -52,6 +52,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     times: RequestTimes = field(init=False)
+    _output_limit: int | None = field(default=None, init=False, repr=False)  # max_output_tokens, once known
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
@@ -88,10 +89,11 @@ class Request:
     def check_stop_token(self) -> RequestStatus | None:
         """Finish on length, EOS or a stop token id (stop strings are checked by the detokenizer)."""
         params = self.sampling_params
-        n_out = self.num_output_tokens
+        out = self.output_token_ids
+        n_out = len(out)  # not the property: this runs once per request per step
         if n_out == 0:
             return None
-        last = self.output_token_ids[-1]
+        last = out[-1]
         if n_out >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
@@ -99,7 +101,10 @@ class Request:
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= self.max_output_tokens:
+        limit = self._output_limit
+        if limit is None:  # fixed once tokens are sampled (max_model_len is set when the request is added)
+            limit = self._output_limit = self.max_output_tokens
+        if n_out >= limit:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Runs every named simulator experiment one after another (one core), writing JSON + PNG to
-# results/sim/ (about 29 CPU-minutes in all; progress lines on stdout, e.g. | tee results/sim/experiments.log).
-# Usage: scripts/run_sim_experiments.sh [seconds of arrivals per rate point, default 30]
+# Runs every named simulator experiment one after another (one core), writing JSON + PNG to results/sim/
+# (progress lines on stdout, e.g. | tee results/sim/experiments.log); then the speed run.
+# Usage: scripts/run_sim_experiments.sh [seconds of arrivals per rate point, default 8] [at least this many
+#        requests per rate point, default 200]   (docs/reproduction.md used 8 and 200, see "How these numbers were made")
 set -uo pipefail  # one failing experiment does not stop the others
-DUR="${1:-30}"
+DUR="${1:-8}"
+MIN="${2:-200}"
 OUT=results/sim
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
-for exp in ${EXPERIMENTS:-scaling ablation overall slo burstiness mitosis}; do
-  echo "=== $exp (duration ${DUR}s) $(date +%T)"
-  /usr/bin/time -f "$exp: %e s wall, %U s user" ecoserve simulate "$exp" --duration "$DUR" --out "$OUT"
+for exp in ${EXPERIMENTS:-overall slo burstiness scaling ablation stepcost windows mitosis}; do
+  echo "=== $exp (duration ${DUR}s, >= $MIN requests) $(date +%T)"
+  extra=()
+  case "$exp" in
+    mitosis) extra=(--mitosis-step 60) ;;
+    windows) ;;
+    *) extra=(--num-requests "$MIN") ;;
+  esac
+  /usr/bin/time -f "$exp: %e s wall, %U s user" ecoserve simulate "$exp" --duration "$DUR" "${extra[@]}" --out "$OUT/$exp"
 done
 echo "=== speed $(date +%T)"
 ecoserve simulate speed --num-requests 100000 --strategies ecoserve,vllm --out "$OUT"

@@ -94,15 +94,16 @@ def bench_args(a: argparse.Namespace, port: int, out: Path) -> list[str]:
             "--save-result", "--result-dir", str(out), "--result-filename", "live.json", "--disable-tqdm"]
 
 
-def wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
+def wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 300.0, path: str = "/v1/models") -> None:
+    """Until GET `path` answers 200 (a cluster: /health, once every instance has joined)."""
     import urllib.request
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode}; see server.log")
+            raise RuntimeError(f"the server exited with code {server.returncode}; see its log")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5):
                 return
         except OSError:
             time.sleep(1.0)

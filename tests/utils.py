@@ -250,10 +250,12 @@ _GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.down_proj": "ffn_down"}
 
 
-def make_tiny_gguf(ckpt: str | Path, out: str | Path) -> Path:
-    """Write a float32 llama GGUF (weights, metadata, tokenizer, chat template) of a tiny llama checkpoint."""
+def make_tiny_gguf(ckpt: str | Path, out: str | Path, quant_type: Any = None) -> Path:
+    """Write a llama GGUF (weights, metadata, tokenizer, chat template) of a tiny llama checkpoint: float32,
+    or with its matrices in `quant_type` (a gguf.GGMLQuantizationType such as Q4_0; norms stay float32)."""
     import numpy as np
     from gguf import GGUFWriter
+    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     ckpt, out = Path(ckpt), Path(out)
@@ -294,7 +296,10 @@ def make_tiny_gguf(ckpt: str | Path, out: str | Path) -> Path:
             a = llama_cpp_permute(a, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             a = llama_cpp_permute(a, cfg["num_key_value_heads"])
-        w.add_tensor(gguf_name, np.ascontiguousarray(a))
+        if quant_type is not None and a.ndim == 2:
+            w.add_tensor(gguf_name, quantize(np.ascontiguousarray(a), quant_type), raw_dtype=quant_type)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -8,38 +8,54 @@ import sys
 import time
 from pathlib import Path
 
+from ecoserve.config import QUANTIZATIONS
+
 _READY_SCRIPT = """
 import sys, time
 t0 = float(sys.argv[1])
 from ecoserve.engine.llm import LLM
-LLM(None if sys.argv[2] == '-' else sys.argv[2], num_threads=int(sys.argv[3]) or None)
+LLM(None if sys.argv[2] == '-' else sys.argv[2], num_threads=int(sys.argv[3]) or None,
+    quantization=None if sys.argv[4] == '-' else sys.argv[4])
 print(time.time() - t0)
 """
 
 
-def measure_startup(model: str | None, num_threads: int) -> float:
+def measure_startup(model: str | None, num_threads: int, quantization: str | None = None) -> float:
     """Seconds from launching a fresh Python process to an engine ready to serve (imports included)."""
-    out = subprocess.run([sys.executable, "-c", _READY_SCRIPT, repr(time.time()), model or "-", str(num_threads)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _READY_SCRIPT, repr(time.time()), model or "-", str(num_threads),
+                          quantization or "-"], check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def measure_decode(model: str | None, prompt_len: int, output_len: int, num_threads: int) -> dict:
+def prompt_token_ids(prompt_len: int) -> list[int]:
+    """The benchmark's prompt: fixed ordinary token ids, the same for every system."""
+    return [100 + i % 1000 for i in range(prompt_len)]
+
+
+def measure_decode(model: str | None, prompt_len: int, output_len: int, num_threads: int,
+                   quantization: str | None = None, profile: bool = False) -> dict:
+    """Batch-1 greedy decode: wall-clock figures, and process CPU time per output token (robust to a
+    shared machine, where wall time includes waiting for a core)."""
     from ecoserve.engine.llm import LLM
     from ecoserve.sampling import SamplingParams
 
-    llm = LLM(model, num_threads=num_threads or None)
-    prompt = {"prompt_token_ids": [100 + i % 1000 for i in range(prompt_len)]}
+    llm = LLM(model, num_threads=num_threads or None, quantization=quantization)
+    prompt = {"prompt_token_ids": prompt_token_ids(prompt_len)}
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     m = out.metrics
     ttft = m.first_token_time - m.arrival_time
     decode_s = m.last_token_time - m.first_token_time
-    return {"ttft_s": ttft, "decode_tokens_per_s": (output_len - 1) / decode_s, "e2e_s": elapsed,
-            "tpot_ms": 1000 * decode_s / (output_len - 1)}
+    figures = {"ttft_s": ttft, "decode_tokens_per_s": (output_len - 1) / decode_s, "e2e_s": elapsed,
+               "tpot_ms": 1000 * decode_s / (output_len - 1), "cpu_ms_per_token": 1000 * cpu / output_len}
+    if profile:
+        from ecoserve.bench.profile import report
+
+        figures["profile"] = report(lambda: llm.generate([prompt], params, use_tqdm=False), output_len, "token")
+    return figures
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,18 +64,68 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
+                   help="one run per value, side by side (e.g. --quantization none gguf)")
+    p.add_argument("--compare", choices=["llama-cpp"], default=None,
+                   help="also run llama.cpp (llama-cpp-python) on the same GGUF file, prompt and threads")
+    p.add_argument("--peer-python", default=sys.executable,
+                   help="the interpreter that has llama-cpp-python (e.g. its own venv's bin/python)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of the systems in turn")
+    p.add_argument("--profile", action="store_true", help="print where the CPU time of a decode goes")
     p.add_argument("--json", default=None)
     p.set_defaults(func=main)
 
 
+def _print_decode(name: str, figures: dict, prompt_len: int) -> None:
+    print(f"{name:<24} TTFT {figures['ttft_s'] * 1000:6.0f} ms ({prompt_len} prompt tokens), decode "
+          f"{figures['decode_tokens_per_s']:6.1f} tokens/s (TPOT {figures['tpot_ms']:6.1f} ms, "
+          f"{figures['cpu_ms_per_token']:5.1f} ms process CPU per token)")
+
+
 def main(args: argparse.Namespace) -> int:
-    startup = measure_startup(args.model, args.num_threads)
-    figures = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "startup_s": startup,
-               **measure_decode(args.model, args.prompt_len, args.output_len, args.num_threads)}
-    print(f"start-up (process start to ready): {startup:.2f} s")
-    print(f"batch-1: TTFT {figures['ttft_s'] * 1000:.0f} ms for {args.prompt_len} prompt tokens, "
-          f"decode {figures['decode_tokens_per_s']:.1f} tokens/s (TPOT {figures['tpot_ms']:.1f} ms)")
+    from ecoserve.bench import peers
+    from ecoserve.model.loader import gguf_file
+
+    quantizations = [None if q == "none" else q for q in args.quantization]
+    if args.compare == "llama-cpp" and gguf_file(args.model) is None:
+        raise SystemExit("--compare llama-cpp needs a .gguf model (or the embedded default)")
+    runs: list[dict] = []
+    for quantization in quantizations:
+        startup = measure_startup(args.model, args.num_threads, quantization)
+        print(f"ecoserve (quantization {quantization or 'none'}) start-up (process start to ready): {startup:.2f} s")
+        runs.append({"system": f"ecoserve-{quantization or 'float32'}", "startup_s": startup})
+    for round_ in range(args.repeats):
+        for quantization, run in zip(quantizations, runs):
+            figures = measure_decode(args.model, args.prompt_len, args.output_len, args.num_threads, quantization,
+                                     args.profile and round_ == 0)
+            run.setdefault("rounds", []).append(figures)
+            _print_decode(run["system"], figures, args.prompt_len)
+            if "profile" in figures:
+                print(figures.pop("profile"))
+        if args.compare == "llama-cpp":
+            if round_ == 0:
+                runs.append({"system": "llama.cpp", "rounds": []})
+            try:
+                figures = peers.llama_cpp_decode(args.peer_python, gguf_file(args.model),
+                                                 prompt_token_ids(args.prompt_len), args.output_len,
+                                                 args.num_threads or 1)
+            except peers.PeerUnavailable as e:
+                raise SystemExit(f"--compare llama-cpp: {e}") from None
+            runs[-1]["rounds"].append(figures)
+            _print_decode("llama.cpp", figures, args.prompt_len)
+    _print_ratios(runs)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        Path(args.json).write_text(json.dumps({"model": args.model or "SmolLM2-135M-Instruct (embedded)",
+                                               "num_threads": args.num_threads, "runs": runs}, indent=2))
     return 0
+
+
+def _print_ratios(runs: list[dict]) -> None:
+    """Every pair of systems, round by round (a shared machine: only side-by-side ratios mean much)."""
+    for i, base in enumerate(runs):
+        for other in runs[i + 1:]:
+            pairs = list(zip(base["rounds"], other["rounds"]))
+            speed = ", ".join(f"x{o['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}" for b, o in pairs)
+            cpu = ", ".join(f"x{b['cpu_ms_per_token'] / o['cpu_ms_per_token']:.2f}" for b, o in pairs)
+            print(f"{other['system']} / {base['system']}: decode tokens/s {speed}; tokens per CPU second {cpu}")

@@ -10,10 +10,13 @@ import json
 import os
 import random
 import re
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ecoserve.config import CPU_LINEARS, QUANTIZATIONS
 
 # A random Llama of about 125M parameters, the benchmark's reference model on CPU.
 LLAMA_125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -50,6 +53,7 @@ class Figures:
     total_tokens_per_s: float
     startup_s: float | None = None
     achieved_gflops: float | None = None
+    cpu_s: float | None = None  # process CPU time of the run (robust to a shared machine)
 
 
 def make_random_llama(path: Path) -> Path:
@@ -129,19 +133,30 @@ def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace, setup: Engi
     t0 = time.perf_counter()
     llm = LLM(model, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               scheduling_policy=setup.policy or args.policy, num_threads=setup.threads or args.num_threads,
-              dtype=args.dtype, tensor_parallel_size=setup.tp, pipeline_parallel_size=setup.pp)
+              dtype=args.dtype, quantization=args.quantization, cpu_linear=args.cpu_linear,
+              tensor_parallel_size=setup.tp, pipeline_parallel_size=setup.pp)
     try:
         startup = time.perf_counter() - t0
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
-        elapsed = time.perf_counter() - t0
+
+        def run():
+            return llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
+
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        outs = run()
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
+        if args.profile:
+            from ecoserve.bench.profile import report
+
+            print(report(run, wl.num_output_tokens, "output token"))
     finally:
         llm.llm_engine.shutdown()
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
-    return _figures("ecoserve" if setup == EngineSetup() and not args.configs else f"ecoserve {setup.name}", wl,
-                    elapsed, startup)
+    figures = _figures("ecoserve" if setup == EngineSetup() and not args.configs else f"ecoserve {setup.name}", wl,
+                       elapsed, startup)
+    figures.cpu_s = cpu if setup.tp * setup.pp == 1 else None  # the ranks' CPU is in other processes
+    return figures
 
 
 def run_hf(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
@@ -168,6 +183,24 @@ def run_hf(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
             hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(wl.output_lens[i] for i in idx),
                         min_new_tokens=max(wl.output_lens[i] for i in idx), eos_token_id=None, pad_token_id=0)
     return _figures("hf-transformers", wl, time.perf_counter() - t0)
+
+
+def run_vllm(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
+    """vLLM's CPU build on the same requests and scheduler limits (a GGUF model: its cached HF conversion)."""
+    from ecoserve.bench import peers
+    from ecoserve.model.loader import resolve_model_path
+
+    try:
+        out = peers.vllm_generate(args.peer_python, resolve_model_path(model), wl.prompts, wl.output_lens,
+                                  args.num_threads or os.cpu_count() or 1, args.max_num_batched_tokens,
+                                  args.max_num_seqs)
+    except peers.PeerUnavailable as e:
+        raise SystemExit(f"--compare vllm: {e}") from None
+    if out["output_tokens"] != wl.num_output_tokens:
+        raise SystemExit(f"--compare vllm: vLLM produced {out['output_tokens']} tokens, not {wl.num_output_tokens}")
+    figures = _figures("vllm-cpu", wl, out["elapsed_s"], out["startup_s"])
+    figures.cpu_s = out["cpu_s"]
+    return figures
 
 
 def _figures(system: str, wl: Workload, elapsed: float, startup: float | None = None) -> Figures:
@@ -205,7 +238,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "tp1 tp2 pp2 pp2@tdpipe")
     p.add_argument("--repeat", type=int, default=1, help="rounds of --configs; the median time of each is reported")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers on the same requests")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--cpu-linear", default="torch", choices=CPU_LINEARS)
+    p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
+    p.add_argument("--compare", choices=["hf", "vllm"], default=None,
+                   help="also run HF transformers, or vLLM's CPU build (in --peer-python), on the same requests")
+    p.add_argument("--peer-python", default=sys.executable, help="the interpreter that has vLLM (its own venv)")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--json", default=None, help="write the figures to this path")
     p.add_argument("--no-tqdm", action="store_true")
@@ -224,6 +262,8 @@ def main(args: argparse.Namespace) -> int:
         results = [run_ecoserve(model, wl, args)]
     if args.compare == "hf":
         results.append(run_hf(model, wl, args))
+    elif args.compare == "vllm":
+        results.append(run_vllm(model, wl, args))
     peak = measure_matmul_peak()
     if config:
         mean_ctx = sum(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens)) / len(wl.prompts)
@@ -238,13 +278,20 @@ def main(args: argparse.Namespace) -> int:
         gf = r.achieved_gflops or 0.0
         print(f"{r.system:<24}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
+    for r in results:
+        if r.cpu_s is not None:
+            print(f"{r.system} process CPU: {r.cpu_s:.1f} s ({wl.num_output_tokens / r.cpu_s:.1f} output tokens per "
+                  f"CPU second)")
     if args.configs:
         base = results[0]
         for r in results[1:len(args.configs)]:
             print(f"{r.system} / {base.system} output throughput: "
                   f"{r.output_tokens_per_s / base.output_tokens_per_s:.2f}x")
     elif len(results) == 2:
-        print(f"ecoserve / hf output throughput: {results[0].output_tokens_per_s / results[1].output_tokens_per_s:.2f}x")
+        ours, peer = results
+        print(f"ecoserve / {peer.system} output throughput: {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x")
+        if ours.cpu_s and peer.cpu_s:
+            print(f"ecoserve / {peer.system} output tokens per CPU second: {peer.cpu_s / ours.cpu_s:.2f}x")
     if results[0].startup_s is not None:
         print(f"ecoserve engine start-up (load + KV allocation): {results[0].startup_s:.2f} s")
     if args.json:

@@ -44,7 +44,7 @@ class StatusBoard:
 
 class ControllerBase:
     has_windows = False
-    max_reroutes = 3
+    max_reroutes = 2  # a request whose instance is lost before its first token moves at most twice
 
     def __init__(self, clock: Clock, board: StatusBoard, setups: dict[int, InstanceSetup]) -> None:
         self.clock = clock

@@ -1,8 +1,7 @@
 """Mitosis by hand (`POST /cluster/scale`): one step on one macro instance, applied as a timer-driven one is."""
 from __future__ import annotations
 
-from ecoserve.cluster.events import Action, Scale
-from ecoserve.cluster.mitosis import TopologyChange
+from ecoserve.cluster.events import Action
 
 
 def scale_by_hand(controller, macro: int, delta: int) -> list[Action]:
@@ -18,16 +17,9 @@ def scale_by_hand(controller, macro: int, delta: int) -> list[Action]:
             raise ValueError("no free instance left to add")
         changes = mitosis.expand(macro)
     elif delta == -1:
-        members = mitosis.macros[macro]
-        if len(members) <= 1:
+        if len(mitosis.macros[macro]) <= 1:
             raise ValueError(f"macro instance {macro} has one instance; it cannot shrink")
-        iid = members.pop()
-        mitosis.draining.add(iid)
-        changes = [TopologyChange("drain", macro, (iid,))]
+        changes = [mitosis.drain(macro)]
     else:
         raise ValueError(f"delta must be +1 or -1, got {delta!r}")
-    acts: list[Action] = []
-    for c in changes:
-        acts += controller._apply(c)
-        acts.append(Scale(c.kind, c.macro, c.instances, c.other))
-    return acts + controller._retry_all()
+    return controller.apply_changes(changes)

@@ -107,9 +107,13 @@ class MitosisController:
             m = max(self.macros, key=lambda k: (len(self.macros[k]), -k))
             if len(self.macros[m]) <= 1:
                 return []
+        return [self.drain(m)] + self.merge_small()
+
+    def drain(self, m: int) -> TopologyChange:
+        """Take macro `m`'s newest instance out of routing; it is released once it holds no request."""
         iid = self.macros[m].pop()
         self.draining.add(iid)
-        return [TopologyChange("drain", m, (iid,))] + self.merge_small()
+        return TopologyChange("drain", m, (iid,))
 
     def merge_small(self) -> list[TopologyChange]:
         acts = []

@@ -14,7 +14,7 @@ from ecoserve.clock import Clock
 from ecoserve.cluster.controller import ControllerBase, StatusBoard
 from ecoserve.cluster.events import (Action, CloseWindow, Dispatch, InstanceSetup, RequestArrived, RequestFinished, Scale,
                                      SetTimer, TimerFired)
-from ecoserve.cluster.mitosis import MitosisConfig, MitosisController
+from ecoserve.cluster.mitosis import MitosisConfig, MitosisController, TopologyChange
 from ecoserve.cluster.overall import OverallScheduler
 from ecoserve.cluster.profile import PrefillProfile
 from ecoserve.cluster.router import MacroInstance, RouterConfig
@@ -76,7 +76,7 @@ class PaDGController(ControllerBase):
                     self._macro_of_request[a.request_id] = mac.macro_id if mac is not None else 0
         return acts
 
-    def _retry_all(self) -> list[Action]:
+    def retry_pending(self) -> list[Action]:
         acts: list[Action] = []
         now = self.clock.now()
         for mac in self.macros.values():
@@ -85,7 +85,7 @@ class PaDGController(ControllerBase):
         return self._track(acts)
 
     def on_step(self, instance_id: int) -> list[Action]:
-        acts = self._retry_all()
+        acts = self.retry_pending()
         if self.mitosis is not None and instance_id in self.mitosis.draining \
                 and self.board(instance_id).num_requests == 0:
             a = self.mitosis.release(instance_id)
@@ -137,19 +137,23 @@ class PaDGController(ControllerBase):
         for m, mac in self.macros.items():
             vals = [s for s in (mac.saved_tpot(self.board(i), now) for i in mac.instances) if s is not None]
             saved[m] = sum(vals) / len(vals) if vals else None
-        acts: list[Action] = []
-        for a in self.mitosis.step(now, mean_ttft, saved):
-            acts += self._apply(a)
-            acts.append(Scale(a.kind, a.macro, a.instances, a.other))
-        for iid in list(self.mitosis.draining):
-            if self.board(iid).num_requests == 0:
-                a = self.mitosis.release(iid)
-                acts.append(Scale(a.kind, a.macro, a.instances, a.other))
+        changes = self.mitosis.step(now, mean_ttft, saved)
+        changes += [self.mitosis.release(iid) for iid in list(self.mitosis.draining)
+                    if self.board(iid).num_requests == 0]
         c = self.mitosis.count()
         self.timeline.append({"time": now, **c, "sizes": sorted(len(v) for v in self.mitosis.macros.values())})
-        return acts + self._retry_all()
+        return self.apply_changes(changes)
 
-    def _apply(self, a) -> list[Action]:
+    def apply_changes(self, changes: list[TopologyChange]) -> list[Action]:
+        """Mirror mitosis steps (timed, or by hand) into the routers: the window and scale actions they
+        cause, then the pending requests routed anew over the new topology."""
+        acts: list[Action] = []
+        for c in changes:
+            acts += self._mirror(c)
+            acts.append(Scale(c.kind, c.macro, c.instances, c.other))
+        return acts + self.retry_pending()
+
+    def _mirror(self, a: TopologyChange) -> list[Action]:
         """Mirror one topology change into the routers; returns the window actions it causes."""
         acts: list[Action] = []
         if a.kind == "add":

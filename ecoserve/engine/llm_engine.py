@@ -88,7 +88,8 @@ class LLMEngine:
         parallel = config.parallel
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, revision=config.revision,
                             tokenizer=config.tokenizer, skip_tokenizer_init=config.skip_tokenizer_init,
-                            weights=parallel.world_size == 1)
+                            weights=parallel.world_size == 1, quantization=config.quantization,
+                            cpu_linear=config.cpu_linear)
         self.loaded = loaded
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer

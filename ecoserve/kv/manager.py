@@ -30,6 +30,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
+    @property
+    def owned_blocks(self) -> dict[str, list[KVBlock]]:
+        """Request id -> the blocks it holds; read-only, for the scheduler's per-decode fit check."""
+        return self._blocks
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a live list: valid until its blocks next change)."""
         return self._block_ids.get(request_id, [])

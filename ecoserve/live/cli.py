@@ -13,7 +13,8 @@ def run_instance(args: argparse.Namespace) -> int:
     from ecoserve.live.instance import InstanceLoop, InstanceOptions
 
     if args.mock_profile:
-        name = args.served_model_name or args.model or "mock"
+        from ecoserve.model.default import DEFAULT_MODEL_NAME
+        name = args.served_model_name or args.model or DEFAULT_MODEL_NAME  # a mock of the embedded default
         engine = MockEngine(args.mock_profile, name, args.scheduling_policy, args.num_gpu_blocks or 4096,
                             args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
                             args.max_model_len or 4096)

@@ -60,6 +60,9 @@ class RealEngine:
         except ValueError:
             self.engine.abort_request(msg.request_id)
             raise
+        if msg.num_output_tokens and msg.params.structured_outputs is not None:
+            for token in msg.prompt_token_ids[-msg.num_output_tokens:]:  # where the other instance left its grammar
+                self.engine.guided.accept(msg.request_id, token)
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort_request(request_ids)

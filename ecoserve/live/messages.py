@@ -16,7 +16,7 @@ from ecoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: AddRequest.num_output_tokens (a grammar continues on the decode leg)
 
 
 class Msg(msgspec.Struct, tag=True, frozen=True):
@@ -34,6 +34,8 @@ class AddRequest(Msg):
     """Run a request. `pin_kv`: when it stops at `params.max_tokens`, keep its KV for an export.
 
     `imported_tokens` > 0: the KV of the first tokens was imported (`ImportedKV`) and is not recomputed.
+    `num_output_tokens` > 0: the last ids of `prompt_token_ids` are output another instance produced
+    (FuDG's decode leg); a structured-output grammar is advanced over them before sampling.
     """
 
     dispatch_seq: int
@@ -43,6 +45,7 @@ class AddRequest(Msg):
     prompt: str | None = None
     pin_kv: bool = False
     imported_tokens: int = 0
+    num_output_tokens: int = 0
 
 
 class Abort(Msg):

@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING
 
 from ecoserve.cluster import events as ev
 from ecoserve.live import messages as m
+from ecoserve.live.actions import kv_arrived
 from ecoserve.live.board import InstanceHandle
+from ecoserve.live.errors import InstanceLostError
 
 if TYPE_CHECKING:
     from ecoserve.live.frontend import ClusterEngine
@@ -36,7 +38,7 @@ def handle_frame(fe: "ClusterEngine", identity: bytes, frame: bytes) -> None:
 def _refuse(fe: "ClusterEngine", identity: bytes, why: str) -> None:
     logger.error("refused an instance: %s", why)
     fe.counters["refused_instances"] += 1
-    fe._send(InstanceHandle(-1, identity), m.Shutdown())
+    fe.send(InstanceHandle(-1, identity), m.Shutdown())
 
 
 def _ready(fe: "ClusterEngine", identity: bytes, msg: m.Ready, now: float) -> None:
@@ -49,7 +51,7 @@ def _ready(fe: "ClusterEngine", identity: bytes, msg: m.Ready, now: float) -> No
     if fe.board.by_identity(identity) is not None:
         logger.warning("ignored a second ready from instance pid %d", msg.pid)
         return
-    iid = fe._pid_to_id.pop(msg.pid, None)
+    iid = fe.pid_to_id.pop(msg.pid, None)
     if iid is None and fe.launcher is None:  # no launcher: instances started by hand fill the planned slots
         iid = next((i for i in fe.planned if fe.board[i].state == "starting" and fe.board[i].identity is None), None)
     if iid is None:  # one more, started by hand (`ecoserve instance --connect`)
@@ -60,11 +62,12 @@ def _ready(fe: "ClusterEngine", identity: bytes, msg: m.Ready, now: float) -> No
         return
     h.identity, h.ready, h.pid, h.host, h.last_heard = identity, msg, msg.pid, msg.host, now
     h.state = "ready"
-    fe._send(h, m.Welcome(iid))
+    fe.send(h, m.Welcome(iid))
     logger.info("instance %d joined: pid %d on %s, %d KV tokens%s", iid, msg.pid, msg.host, msg.total_kv_tokens,
                 " (mock)" if msg.mock else "")
-    fe._post(ev.InstanceJoined(iid, msg.total_kv_tokens))
-    fe._check_ready()
+    fe.post(ev.InstanceJoined(iid, msg.total_kv_tokens))
+    from ecoserve.live.watch import check_ready  # the watchdog reads this module's messages
+    check_ready(fe)
 
 
 def _status(fe: "ClusterEngine", h: InstanceHandle, msg: m.Status, now: float) -> None:
@@ -75,7 +78,7 @@ def _status(fe: "ClusterEngine", h: InstanceHandle, msg: m.Status, now: float) -
         return  # out of date
     h.status_seq = msg.seq
     fe.board.reported(h, msg.status, msg.last_dispatch_seq, now)
-    fe._post(ev.InstanceReported(fe.board.status_of(h.instance_id)))
+    fe.post(ev.InstanceReported(fe.board.status_of(h.instance_id)))
 
 
 def _outputs(fe: "ClusterEngine", h: InstanceHandle, msg: m.Outputs, now: float) -> None:
@@ -93,38 +96,36 @@ def _outputs(fe: "ClusterEngine", h: InstanceHandle, msg: m.Outputs, now: float)
             h.requests.discard(req.request_id)
             req.finished = now
             req.done = True
-            fe._deliver(req)
-            fe._end(req)
+            fe.deliver(req)
+            fe.end(req)
             ttft = req.first_token - req.arrival if req.first_token is not None else None
-            fe._post(ev.RequestFinished(req.request_id, h.instance_id, ttft))
+            fe.post(ev.RequestFinished(req.request_id, h.instance_id, ttft))
         else:
-            fe._deliver(req)
+            fe.deliver(req)
 
 
 def _paused(fe: "ClusterEngine", h: InstanceHandle, msg: m.Paused, now: float) -> None:
     req = fe.requests.get(msg.request_id)
     if req is None:
-        fe._send(h, m.Abort([msg.request_id]))  # nobody will claim its KV
+        fe.send(h, m.Abort([msg.request_id]))  # nobody will claim its KV
         return
-    fe._post(ev.PrefillDone(msg.request_id, h.instance_id, msg.num_tokens))
+    fe.post(ev.PrefillDone(msg.request_id, h.instance_id, msg.num_tokens))
 
 
 def _imported(fe: "ClusterEngine", h: InstanceHandle, msg: m.ImportedKV, now: float) -> None:
     req = fe.requests.get(msg.request_id)
     if req is None or req.transfer != msg.transfer_id:
-        fe._send(h, m.Abort([msg.request_id]))  # nobody will claim it
+        fe.send(h, m.Abort([msg.request_id]))  # nobody will claim it
         return
-    fe.kv_arrived(req, h, msg.src, msg.nbytes)
+    kv_arrived(fe, req, h, msg.src, msg.nbytes)
 
 
 def _failed(fe: "ClusterEngine", h: InstanceHandle, msg: m.RequestFailed, now: float) -> None:
-    from ecoserve.live.frontend import InstanceLostError
     req = fe.requests.get(msg.request_id)
     if req is None:
         return
     logger.error("instance %d failed request %s: %s", h.instance_id, msg.request_id, msg.reason)
-    fe._end(req, InstanceLostError(f"instance {h.instance_id} failed the request: {msg.reason}"))
-    fe._post(ev.RequestAborted(msg.request_id))
+    fe.fail(req, InstanceLostError(f"instance {h.instance_id} failed the request: {msg.reason}"))
 
 
 _HANDLERS = {m.Status: _status, m.Outputs: _outputs, m.Paused: _paused, m.ImportedKV: _imported,

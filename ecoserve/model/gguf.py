@@ -2,7 +2,9 @@
 
 Weights are dequantized to float32 (exact for every GGUF quant type), renamed from llama.cpp
 names to HF names, and llama.cpp's q/k row permutation (for its interleaved rotary) undone.
-Conversions are cached by file name, size and mtime; see `cached_conversion`.
+Conversions are cached by file name, size and mtime; see `cached_conversion`. With quantized
+weights (`--quantization gguf`) config and tokenizer still come from the conversion, but the
+weights are read from the GGUF file as stored blocks (`gguf_weight_types`, `indexed_gguf`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,34 +94,108 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
-def gguf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight of the GGUF file."""
+def gguf_weight_types(reader: Any, config: dict[str, Any]) -> dict[str, int]:
+    """Model module name -> GGML type, for the modules whose GGUF tensors can stay quantized.
+
+    A fused module (qkv_proj, gate_up_proj) qualifies when all its tensors share one supported type;
+    a tied lm_head follows the embedding.
+    """
+    from ecoserve.model.quant import QUANT_TYPES, module_of
+
+    per_module: dict[str, set[int]] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is not None and name.endswith(".weight") and not name.endswith("norm.weight"):
+            per_module.setdefault(module_of(name), set()).add(int(t.tensor_type))
+    types = {m: ts.pop() for m, ts in per_module.items() if len(ts) == 1 and next(iter(ts)) in QUANT_TYPES}
+    if config["tie_word_embeddings"] and "embed_tokens" in types:
+        types["lm_head"] = types["embed_tokens"]
+    return types
+
+
+def gguf_tensors(reader: Any, config: dict[str, Any],
+                 keep_quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight of the GGUF file: float32, or the stored uint8 blocks
+    [rows, row_bytes] for tensors of the modules in `keep_quantized` (see `gguf_weight_types`)."""
     from gguf.quants import dequantize
+
+    from ecoserve.model.quant import module_of
 
     permute = config["model_type"] == "llama"
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        if module_of(name) in keep_quantized and name.endswith(".weight"):
+            w = t.data.reshape(int(t.shape[-1]), -1)  # blocks along each row; q/k rows permute like floats
+        else:
+            w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         if permute and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
             w = _unpermute(w, config[key])
-        yield name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        yield name, torch.from_numpy(np.require(w, w.dtype if w.dtype == np.uint8 else np.float32, ["C", "W"]))
+
+
+def read_gguf(gguf_path: str | Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf_path)
+    except Exception as e:
+        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {e}") from None
+
+
+TENSOR_INDEX = "gguf_tensors.json"  # where each tensor lies in the GGUF file, beside the conversion
+
+
+@dataclass(frozen=True)
+class IndexedTensor:
+    """The parts of gguf's ReaderTensor that loading uses, read from TENSOR_INDEX without parsing the
+    file's metadata (GGUFReader spends seconds on the tokenizer arrays)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: innermost dimension first
+    data: np.ndarray  # a read-only memmap of the stored bytes
+
+
+@dataclass(frozen=True)
+class IndexedGGUF:
+    tensors: list[IndexedTensor]
+
+
+def _write_tensor_index(reader: Any, out_dir: Path) -> None:
+    index = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
+              "offset": int(t.data_offset), "dtype": t.data.dtype.str, "data_shape": list(t.data.shape)}
+             for t in reader.tensors]
+    tmp = out_dir / f".{TENSOR_INDEX}.{os.getpid()}"
+    tmp.write_text(json.dumps(index))
+    os.replace(tmp, out_dir / TENSOR_INDEX)  # atomic: concurrent loaders read a whole index
+
+
+def indexed_gguf(gguf_path: Path, converted: Path) -> IndexedGGUF:
+    """The GGUF's tensors as memmaps, located by the tensor index kept beside the conversion
+    (written on first use: GGUFReader parses the whole file once)."""
+    from gguf import GGMLQuantizationType
+
+    if not (converted / TENSOR_INDEX).is_file():
+        _write_tensor_index(read_gguf(gguf_path), converted)
+    tensors = [IndexedTensor(e["name"], GGMLQuantizationType(e["type"]), tuple(e["shape"]),
+                             np.memmap(gguf_path, dtype=np.dtype(e["dtype"]), mode="r", offset=e["offset"],
+                                       shape=tuple(e["data_shape"])))
+               for e in json.loads((converted / TENSOR_INDEX).read_text())]
+    return IndexedGGUF(tensors)
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Write a HF-format directory (config, model.safetensors, tokenizer, generation_config) from a GGUF."""
-    from gguf import GGUFReader
     from safetensors.torch import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    try:
-        reader = GGUFReader(gguf_path)
-    except Exception as e:
-        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {e}") from None
+    reader = read_gguf(gguf_path)
     config = gguf_config(reader)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _write_tensor_index(reader, out_dir)
     save_file(dict(gguf_tensors(reader, config)), out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}

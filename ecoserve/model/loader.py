@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from ecoserve.model.parallel import ShardPlan, StageLink, TPComm
+from ecoserve.config import QUANTIZATIONS
+from ecoserve.model.quant import describe_weights, quantize_linears_int8, quantize_model_modules, weight_bytes
 from ecoserve.model.registry import get_model_class
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 
@@ -34,6 +36,7 @@ class LoadedModel:
     max_model_len: int = 0
     name: str = ""  # what the user passed; the served model name
     path: Path = Path()
+    quantization: str | None = None  # "gguf" | "int8" | None (float weights)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
@@ -123,17 +126,60 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
 
 
 def build_model(spec: ModelSpec, path: Path, dtype: torch.dtype, device: str | torch.device,
-                shard: ShardPlan = ShardPlan(), tp: TPComm | None = None,
-                link: StageLink | None = None) -> torch.nn.Module:
-    """Allocate the model (or one rank's shard of it) once in `dtype` on `device` and load the checkpoint."""
+                shard: ShardPlan = ShardPlan(), tp: TPComm | None = None, link: StageLink | None = None,
+                weights: Iterator[tuple[str, Any]] | None = None,
+                quantized: dict[str, int] | None = None) -> torch.nn.Module:
+    """Allocate the model (or one rank's shard of it) once in `dtype` on `device` and load the checkpoint.
+
+    `weights` defaults to the safetensors under `path`; `quantized` names the modules that hold
+    GGUF blocks instead (module name -> GGML type, see ecoserve.model.quant; single process only).
+    """
     cls = get_model_class(spec.architecture)
     with torch.device("meta"):
         model = cls(spec, dtype, shard, tp, link)
+        if quantized:
+            quantize_model_modules(model, quantized)
     model = model.to_empty(device=device)
     model.tie_weights()  # to_empty re-creates parameters, so tie again
     model.rotary.build(spec.max_position_embeddings, device)
-    model.load_weights(iter_safetensors(safetensors_files(path)))
+    model.load_weights(weights if weights is not None else iter_safetensors(safetensors_files(path)))
     return model.eval().requires_grad_(False)
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The .gguf file `model` names (None: the embedded default), or None for other models."""
+    if model is None:
+        from ecoserve.model.default import default_gguf_path
+        return default_gguf_path()
+    if not model.endswith(".gguf"):
+        return None
+    if not Path(model).expanduser().is_file():
+        raise ModelLoadError(f"GGUF file {model} does not exist")
+    return Path(model).expanduser()
+
+
+def resolve_quantization(quantization: str | None, dtype: str | torch.dtype, is_gguf: bool, device: str) -> str | None:
+    """None or 'none': float weights (the default); 'gguf' keeps a GGUF file's blocks; 'int8' makes Q8_0
+    blocks of a float checkpoint. Quantized weights run on CPU with float32 activations."""
+    if quantization in (None, "none"):
+        return None
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf needs a .gguf model; use --quantization int8 for other checkpoints")
+    if dtype not in ("auto", "float32", torch.float32) or torch.device(device).type != "cpu":
+        raise ValueError(f"quantized weights run on CPU with float32 activations; got dtype {dtype}, device {device}")
+    return quantization
+
+
+def _build_gguf_quantized(gguf_path: Path, spec: ModelSpec, converted: Path, device: str) -> torch.nn.Module:
+    """Weights straight from the GGUF file's blocks (config and tokenizer came from its conversion)."""
+    from ecoserve.model.gguf import gguf_tensors, gguf_weight_types, indexed_gguf
+
+    reader = indexed_gguf(gguf_path, converted)
+    types = gguf_weight_types(reader, spec.raw)
+    weights = gguf_tensors(reader, spec.raw, keep_quantized=frozenset(types))
+    return build_model(spec, converted, torch.float32, device, weights=weights, quantized=types)
 
 
 def load_tokenizer(source: str | Path, revision: str | None = None):
@@ -184,18 +230,39 @@ def load_model_info(model: str | None, *, revision: str | None = None, tokenizer
 
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                revision: str | None = None, tokenizer: str | None = None,
-               skip_tokenizer_init: bool = False, weights: bool = True) -> LoadedModel:
+               skip_tokenizer_init: bool = False, weights: bool = True,
+               quantization: str | None = None, cpu_linear: str = "torch") -> LoadedModel:
     """Load weights, tokenizer (unless skipped: then None) and serving facts.
 
     `model`: directory, .gguf, hub id, or None (embedded). weights=False: everything but the weights
-    (`model` is None); parallel workers load their own shards."""
+    (`model` is None); parallel workers load their own shards. `quantization`: see `resolve_quantization`.
+    `cpu_linear="onednn"`: float32 linear layers on CPU run prepacked oneDNN weights (model/packed.py).
+    """
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
+    source = gguf_file(model)
+    quantization = resolve_quantization(quantization, dtype, source is not None, device)
+    if (quantization is not None or cpu_linear != "torch") and not weights:
+        raise ValueError("--quantization and --cpu-linear onednn run in a single-process instance, not under TP/PP")
     info = load_model_info(model, revision=revision, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init)
+    info.quantization = quantization
     spec = info.spec
-    torch_dtype = resolve_dtype(dtype, device, spec.torch_dtype)
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         logger.warning("%s uses sliding-window attention (%d tokens); ecoserve runs full attention, so outputs "
                        "differ from the reference past that length", spec.architecture, spec.sliding_window)
-    if weights:
-        info.model = build_model(spec, info.path, torch_dtype, device)
+    if not weights:
+        return info
+    if quantization == "gguf":
+        info.model = _build_gguf_quantized(source, spec, info.path, device)
+    else:
+        info.model = build_model(spec, info.path, resolve_dtype(dtype, device, spec.torch_dtype), device)
+        if quantization == "int8":
+            quantize_linears_int8(info.model)
+    if cpu_linear == "onednn":
+        from ecoserve.model.packed import onednn_available, pack_linears
+
+        if not onednn_available():
+            raise ValueError("--cpu-linear onednn: this torch build has no oneDNN (mkldnn) backend")
+        pack_linears(info.model)
+    logger.info("model weights: %.1f MiB in memory (%s)", weight_bytes(info.model) / 2**20,
+                describe_weights(info.model))
     return info

@@ -134,10 +134,11 @@ class Scheduler:
 
         The one path for running requests (a decode is a one-token chunk like any other). It runs
         once per request per step, so it uses locals and plain comparisons instead of min() and
-        properties; a decode that fits its blocks costs one allocate_slots check and one add.
+        properties; a decode that fits its blocks costs one dict lookup and one add.
         """
         running, kv, in_flight = self.running, self.kv, self.in_flight
-        allocate, add, caching = kv.allocate_slots, step.add, kv.enable_prefix_caching
+        add, caching = step.add, kv.enable_prefix_caching
+        owned_blocks, block_size = kv.owned_blocks.get, kv.block_size
         preempted = step.num_preempted
         for req in reqs:
             budget = step.token_budget
@@ -154,17 +155,24 @@ class Scheduler:
                 n = max_tokens
             if n <= 0:
                 continue
-            while not allocate(req, n):
-                victim = self._preemption_victim()
-                if victim is None:
-                    break  # everything else is in flight: wait for it
-                self.preempt(victim, step)
-                if victim is req:
-                    break
-            else:
-                add(req, n)
-                if caching:
-                    kv.cache_blocks(req, req.num_computed_tokens + n)
+            owned = owned_blocks(req.request_id)
+            if owned is None or req.num_computed_tokens + n > len(owned) * block_size:  # else it fits its blocks
+                if not self._make_room(req, n, step):
+                    continue
+            add(req, n)
+            if caching:
+                kv.cache_blocks(req, req.num_computed_tokens + n)
+
+    def _make_room(self, req: Request, n: int, step: StepBuilder) -> bool:
+        """Allocate `n` slots for `req`, preempting the newest requests until they fit; False if they can't."""
+        while not self.kv.allocate_slots(req, n):
+            victim = self._preemption_victim()
+            if victim is None:
+                return False  # everything else is in flight: wait for it
+            self.preempt(victim, step)
+            if victim is req:
+                return False
+        return True
 
     def _preemption_victim(self) -> Request | None:
         """The newest running request that is not in a batch in flight."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from ecoserve.request import Request
 from ecoserve.sched.interface import ScheduledChunk
 
+_new_chunk = tuple.__new__  # ScheduledChunk(...) without the NamedTuple's Python-level __new__ frame
+
 
 def prefilling(reqs) -> list[Request]:
     """The requests whose next chunk is a prefill (`is_prefill`): tokens left beyond the newest one."""
@@ -36,7 +38,7 @@ class StepBuilder:
     def add(self, req: Request, num_tokens: int) -> None:
         start = req.num_computed_tokens
         samples = start + num_tokens == len(req.all_token_ids)
-        self.chunks[req.request_id] = ScheduledChunk(req, start, num_tokens, samples)
+        self.chunks[req.request_id] = _new_chunk(ScheduledChunk, (req, start, num_tokens, samples))
         if num_tokens != 1 or not samples:  # is_prefill(num_tokens, samples)
             self.num_prefill_chunks += 1
         self.token_budget -= num_tokens

@@ -247,7 +247,10 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
     return data
 
 
-STEP_COSTS = ((0.0, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005))  # (prompt-step overhead s, s per hybrid decode)
+# (prompt-step overhead s, s per hybrid decode token) for eager (non-CUDA-graph) prompt steps in vLLM 0.7.3:
+# 5 ms from a published eager-vs-graph decode step gap, 15 / 30 ms from issue 8's prototype, 0.5 ms per
+# hybrid decode as a bracket (docs/reproduction.md, "Step-type costs").
+STEP_COSTS = ((0.0, 0.0), (0.005, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005))
 
 
 @EXPERIMENTS.register("stepcost")
@@ -267,6 +270,33 @@ def step_cost_sweep(out: Path, model="codellama-34b", dataset="sharegpt", num_re
     return data
 
 
+@EXPERIMENTS.register("windows")
+def window_shares(out: Path, model="codellama-34b", dataset="sharegpt", rates=(10.0, 30.0, 50.0), num_requests=1500,
+                  seed=3, strategies=("vllm", "sarathi", "ecoserve", "ecoserve_ref")) -> dict:
+    """The mechanism at fixed loads: attainment, TTFT/TPOT p90 and each instance's busy time and window share."""
+    ds = DATASETS.get(dataset)
+    res: dict = {}
+    for rate in rates:
+        wl = synthetic(dataset, rate, num_requests, seed=seed)
+        for s in strategies:
+            strategy, opts = SERIES[s]
+            run = build(strategy, l20_spec(model), ds.ttft_slo, ds.tpot_slo, **opts).run(wl)
+            summary = summarize(run.records, ds.ttft_slo, ds.tpot_slo, run.num_submitted)
+            inst = run.extra["instances"]
+            windows = [i["num_windows"] for i in inst if i["num_windows"] is not None]
+            res[f"{rate:g}/{s}"] = {
+                "attainment": summary["attainment"], "ttft_p90": summary["ttft"]["p90"],
+                "tpot_p90": summary["tpot"]["p90"], "busy": [round(i["busy_fraction"], 3) for i in inst],
+                "windows": windows or None, "mean_window_s": [i["mean_window_s"] for i in inst] if windows else None,
+                "window_share_min_max": [min(windows) * len(windows) / sum(windows),
+                                         max(windows) * len(windows) / sum(windows)] if windows and sum(windows) else None}
+            print(f"{rate:5g} req/s {s:12s} attainment {summary['attainment']:.3f}  busy "
+                  f"{' '.join(f'{b:.2f}' for b in res[f'{rate:g}/{s}']['busy'])}  windows {windows or '-'}", flush=True)
+    data = {"model": model, "dataset": dataset, "num_requests": num_requests, "seed": seed, "runs": res}
+    _save(out, "windows", data)
+    return data
+
+
 @EXPERIMENTS.register("speed")
 def speed(out: Path, num_requests: int = 100_000, strategies=("ecoserve", "vllm", "sarathi"), dataset: str = "alpaca",
           rate: float | None = None, model: str = "codellama-34b") -> dict:
@@ -282,15 +312,15 @@ def speed(out: Path, num_requests: int = 100_000, strategies=("ecoserve", "vllm"
     for strategy in strategies:
         for n in sizes:
             wl = synthetic(dataset, rate, n, seed=0)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             res = build(strategy, spec, ds.ttft_slo, ds.tpot_slo).run(wl, progress=n == num_requests)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             tokens = sum(r.output_len for r in wl)
-            runs.append({"strategy": strategy, "num_requests": n, "wall_s": wall, "sim_s": res.sim_time,
+            runs.append({"strategy": strategy, "num_requests": n, "wall_s": wall, "cpu_s": cpu, "sim_s": res.sim_time,
                          "events": res.num_events, "steps": res.extra["num_steps"], "output_tokens": tokens,
                          "us_per_output_token": 1e6 * wall / tokens,
                          "summary": summarize(res.records, ds.ttft_slo, ds.tpot_slo, res.num_submitted)})
-            print(f"{strategy:9s} {n:7d} requests: {wall:6.1f} s wall, {res.sim_time:7.0f} s simulated, "
+            print(f"{strategy:9s} {n:7d} requests: {wall:6.1f} s wall, {cpu:6.1f} s CPU, {res.sim_time:7.0f} s simulated, "
                   f"{runs[-1]['us_per_output_token']:.2f} us per output token", flush=True)
     data = {"dataset": dataset, "rate": rate, "runs": runs, "spec": asdict(spec)}
     _save(out, "speed", data)

@@ -21,15 +21,14 @@ import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ecoserve.sim.hardware import GPU, Link, gpu as get_gpu, link as get_link
 from ecoserve.sim.models import ModelSpec, model as get_model
 from ecoserve.sim.network import allreduce_time
 
-@dataclass(frozen=True)
-class StepWork:
-    """Aggregates of a batch that the models need; built once per step."""
+class StepWork(NamedTuple):
+    """Aggregates of a batch that the models need; built once per step (a NamedTuple: cheap to build)."""
 
     num_tokens: int
     num_seqs: int
@@ -108,6 +107,8 @@ class RooflinePerf(_Base):
         self._attn_flops_per_pair = 4.0 * self.model.num_layers * self.model.num_heads * self.model.head_dim
         self._act_bytes_per_token = self.model.hidden_size * self.model.dtype_bytes
         self._per_gpu_weights = self.model.weight_bytes / n
+        self._linear_flops_per_token = self.model.linear_flops_per_token  # properties: read once, not per step
+        self._lm_head_flops = self.model.lm_head_flops
 
     def tiled_tokens(self, n: int) -> int:
         if n <= self.small_tile:
@@ -118,7 +119,7 @@ class RooflinePerf(_Base):
         if w.num_tokens <= 0:
             return 0.0
         m = self.model
-        flops = (m.linear_flops_per_token * self.tiled_tokens(w.num_tokens) + m.lm_head_flops * w.num_sampled
+        flops = (self._linear_flops_per_token * self.tiled_tokens(w.num_tokens) + self._lm_head_flops * w.num_sampled
                  + self._attn_flops_per_pair * w.attn_pairs)
         t_compute = flops / self._flops
         t_memory = self._weight_s + (w.kv_read_tokens + w.num_tokens) * self._kv_bytes / self._bw

@@ -121,3 +121,17 @@ def fake_server():
     for server, thread in started:
         server.should_exit = True
         thread.join(timeout=5)
+
+
+@pytest.fixture
+def stand_in_package(tmp_path, monkeypatch):
+    """Install a stand-in package for peer subprocesses: (name, source) -> the interpreter to run them."""
+    import sys
+
+    def install(name: str, source: str) -> str:
+        (tmp_path / "fakepkgs" / name).mkdir(parents=True)
+        (tmp_path / "fakepkgs" / name / "__init__.py").write_text(source)
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fakepkgs"))
+        return sys.executable
+
+    return install

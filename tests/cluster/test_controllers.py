@@ -111,6 +111,20 @@ def test_lost_instance_reroutes_unstarted_requests_and_fails_streaming_ones():
     assert all(arrive(c, f"n{i}")[0].instance_id != 0 for i in range(6))
 
 
+def test_a_request_is_rerouted_at_most_twice():
+    clock = VirtualClock()
+    fleet = FakeFleet(clock)
+    c = controller("vllm", clock, fleet)
+    acts = fleet.apply(arrive(c, "a"))
+    for moves in range(3):  # its instance is lost before its first token, again and again
+        where = acts[0].instance_id
+        fleet.reqs.pop(where, None)
+        acts = fleet.apply(c.handle(InstanceLost(where)))
+        if moves < 2:
+            assert isinstance(acts[0], Dispatch) and acts[0].instance_id != where
+    assert acts == [FinishRequest("a", f"instance {where} was lost (2 re-routes)")]
+
+
 def test_padg_mitosis_add_split_drain_merge_never_loses_or_duplicates():
     clock = VirtualClock()
     fleet = FakeFleet(clock)

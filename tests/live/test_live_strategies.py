@@ -2,6 +2,9 @@
 the cluster equal one engine's (one prompt at a time, so batch shapes match), streaming and not, openai client."""
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 
@@ -45,3 +48,23 @@ def test_greedy_equals_single_engine(cluster, reference):
     if strategy == "ecoserve":
         assert [i["role"] for i in instances] == [0, 0]
         assert sum(i["num_windows"] for i in instances) >= 1
+
+
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 20}},
+          "required": ["kind", "age"], "additionalProperties": False}
+
+
+def test_json_schema_response_format_through_the_cluster(cluster):
+    """The grammar travels in the AddRequest message and each instance compiles it (FuDG: on both legs)."""
+    strategy, running = cluster
+    client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", timeout=60, max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+    for seed in range(2):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A pet?"}],
+                                           seed=seed, temperature=1.0, max_tokens=60, response_format=fmt)
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    with pytest.raises(openai.BadRequestError):  # refused by the frontend, before any instance sees it
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A pet?"}],
+                                       max_tokens=5, response_format=bad)

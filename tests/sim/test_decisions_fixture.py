@@ -2,7 +2,8 @@
 
 The fixture was recorded from the simulator-subclass code (main at ad61eae) with
 `python tests/sim/test_decisions_fixture.py --record`; every step's chunks and every request's
-times must match it.
+times must match it. The PaDG cases (both router modes) were recorded the same way from main at
+1d847b0 (`--record padg`), before the simulator speed pass, which must not change any decision.
 """
 import hashlib
 import json
@@ -21,6 +22,11 @@ CASES = {  # name -> (strategy, dataset, rate, num_requests, seed, options)
     "distserve": ("distserve", "sharegpt", 6.0, 120, 2, {}),
     "mooncake_1p3d": ("mooncake", "longbench", 1.0, 40, 5, {"pd": (1, 3)}),
 }
+PADG_FIXTURE = FIXTURE.with_name("padg_decisions.json")
+PADG_CASES = {
+    "ecoserve_paper": ("ecoserve", "sharegpt", 12.0, 150, 2, {"router_mode": "paper"}),
+    "ecoserve_reference": ("ecoserve", "sharegpt", 12.0, 150, 2, {"router_mode": "reference"}),
+}
 
 
 def _build():
@@ -34,7 +40,7 @@ def _build():
 def run_case(name: str) -> dict:
     from ecoserve.sim.cluster import ClusterSpec
     from ecoserve.sim.workload import synthetic
-    strategy, dataset, rate, n, seed, opts = CASES[name]
+    strategy, dataset, rate, n, seed, opts = {**CASES, **PADG_CASES}[name]
     steps = []
     original = Scheduler.schedule
 
@@ -57,9 +63,9 @@ def run_case(name: str) -> dict:
             "records": records}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(PADG_CASES))
 def test_same_decisions_as_recorded(name):
-    want = json.loads(FIXTURE.read_text())[name]
+    want = json.loads((PADG_FIXTURE if name in PADG_CASES else FIXTURE).read_text())[name]
     got = run_case(name)
     assert got["num_steps"] == want["num_steps"]
     assert [list(r) for r in got["records"]] == want["records"]
@@ -67,5 +73,6 @@ def test_same_decisions_as_recorded(name):
 
 
 if __name__ == "__main__" and "--record" in sys.argv:
-    FIXTURE.write_text(json.dumps({k: run_case(k) for k in sorted(CASES)}, indent=0))
-    print(f"wrote {FIXTURE}")
+    path, cases = (PADG_FIXTURE, PADG_CASES) if "padg" in sys.argv else (FIXTURE, CASES)
+    path.write_text(json.dumps({k: run_case(k) for k in sorted(cases)}, indent=0))
+    print(f"wrote {path}")

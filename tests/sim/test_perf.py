@@ -57,3 +57,19 @@ def test_trends_kv_reads_tp_and_network():
     h100 = make_perf("codellama-34b", "H100", tp=4)
     assert h100.predicted_prefill_time(2048) < p1.predicted_prefill_time(2048) / 3
     assert 500_000 < p1.kv_capacity_tokens < 560_000  # reference C3: ~535k tokens
+
+
+def test_step_type_costs_charge_only_prompt_carrying_steps():
+    from ecoserve.sim.perf import StepTypeCosts
+    plain = make_perf("codellama-34b", "L20", tp=4)
+    costly = make_perf("codellama-34b", "L20", tp=4, step_costs={"prompt_step_overhead_s": 0.015,
+                                                                  "hybrid_decode_token_s": 0.0005})
+    decode = StepWork(32, 32, 32, 32 * 500.0, 32 * 500, 0)
+    prefill = StepWork(512, 1, 1, 512 * 513 / 2, 512, 512)
+    hybrid = StepWork(512, 33, 33, 512 * 481 / 2 + 32 * 500, 480 + 32 * 500, 480)  # 32 decodes + 480 prompt
+    assert costly.work_time(decode) == plain.work_time(decode)  # a pure decode replays its CUDA graph
+    assert costly.work_time(prefill) == pytest.approx(plain.work_time(prefill) + 0.015)
+    assert costly.work_time(hybrid) == pytest.approx(plain.work_time(hybrid) + 0.015 + 32 * 0.0005)
+    assert costly.predicted_prefill_time(512) == pytest.approx(plain.predicted_prefill_time(512) + 0.015)
+    with pytest.raises(ValueError, match=">= 0"):
+        StepTypeCosts(prompt_step_overhead_s=-1.0)

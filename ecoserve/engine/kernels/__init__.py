@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled on first use with torch.utils.cpp_extension.
 
 Builds are cached under `$ECOSERVE_CACHE` (or `~/.cache/ecoserve`)/kernels, one folder per torch
-version; the source's hash decides whether a rebuild is needed.
+version and source file; the source's hash decides whether a rebuild is needed.
 
 The engine works without them: if the compiler or ninja is missing, or ECOSERVE_NO_NATIVE=1,
-`paged_decode()` returns None and attention falls back to torch SDPA over gathered blocks.
+`paged_decode()` returns None and attention falls back to torch SDPA over gathered blocks, and
+`quant_matmul()` returns None and quantized layers dequantize with torch.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ logger = logging.getLogger(__name__)
 _STALE_LOCK_S = 300  # a build holding its lock longer than this was killed: torch would wait forever
 
 
-def _build_dir() -> Path:
+def _build_dir(source: str = "") -> Path:
+    """One folder per torch version and kernel source: ninja files of two extensions must not mix."""
     import torch
 
     from ecoserve.model.gguf import cache_root
 
-    path = cache_root() / "kernels" / f"torch-{torch.__version__}"
+    path = cache_root() / "kernels" / f"torch-{torch.__version__}" / source
     path.mkdir(parents=True, exist_ok=True)
     lock = path / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
@@ -46,8 +48,8 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-@functools.lru_cache(maxsize=1)
-def _load():
+@functools.lru_cache(maxsize=None)
+def _load(source: str, what: str):
     if os.environ.get("ECOSERVE_NO_NATIVE") == "1":
         return None
     try:
@@ -55,17 +57,22 @@ def _load():
 
         _put_ninja_on_path()
         started = time.perf_counter()
-        module = load("ecoserve_paged_decode", [str(Path(__file__).with_name("paged_decode.cpp"))],
+        module = load(f"ecoserve_{source}", [str(Path(__file__).with_name(f"{source}.cpp"))],
                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                      build_directory=str(_build_dir()), verbose=False)
-        logger.debug("native paged decode kernel ready in %.1f s", time.perf_counter() - started)
+                      build_directory=str(_build_dir(source)), verbose=False)
+        logger.debug("native %s kernel ready in %.1f s", source, time.perf_counter() - started)
         return module
-    except Exception as e:  # no compiler, no ninja, a build error: the SDPA path still works
-        logger.warning("native CPU attention kernel unavailable (%s); using torch SDPA", str(e).splitlines()[0])
+    except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
+        logger.warning("native CPU %s kernel unavailable (%s); using %s", source, str(e).splitlines()[0], what)
         return None
 
 
 def paged_decode():
     """The compiled `paged_decode(q, k_cache, v_cache, tables, lens, scale)`, or None."""
-    module = _load()
+    module = _load("paged_decode", "torch SDPA")
     return module.paged_decode if module is not None else None
+
+
+def quant_matmul():
+    """The compiled module with `quant_linear(x, w, qtype)` and `dequantize(w, qtype, K)`, or None."""
+    return _load("quant_matmul", "torch dequantization")

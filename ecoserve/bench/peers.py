@@ -1,0 +1,90 @@
+"""Peer systems in the benchmarks, each run in a subprocess of the interpreter that has it (usually
+its own virtual environment: `--peer-python`) and timed the way we time ourselves.
+
+llama.cpp (`ecoserve bench latency --compare llama-cpp`): the same GGUF file, prompt token ids,
+greedy decode and thread count, through llama-cpp-python.
+
+vLLM's CPU build (`ecoserve bench throughput --compare vllm`): the same requests (token ids,
+output lengths, greedy, ignore_eos) and scheduler limits through its offline `LLM.generate`, with
+its engine core in the calling process (so its process CPU time is counted) and its OpenMP threads
+bound to the first `num_threads` cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+_LLAMA_CPP_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, threads, out_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+prompt = json.loads(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + out_len + 16,
+            seed=0, verbose=False)
+never_eos = {llm.token_eos(): -1e9}  # as ignore_eos: always decode out_len tokens
+list(llm.create_completion(prompt, max_tokens=4, temperature=0.0, logit_bias=never_eos, stream=True))  # warm-up
+llm.reset()  # no prompt-prefix reuse from the warm-up
+t0, cpu0 = time.perf_counter(), time.process_time()
+stamps = [time.perf_counter() for _ in llm.create_completion(prompt, max_tokens=out_len, temperature=0.0,
+                                                            logit_bias=never_eos, stream=True)]
+cpu = time.process_time() - cpu0
+print(json.dumps({"ttft_s": stamps[0] - t0, "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+                  "tpot_ms": 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1), "e2e_s": stamps[-1] - t0,
+                  "cpu_ms_per_token": 1000 * cpu / len(stamps), "tokens": len(stamps)}))
+"""
+
+
+_VLLM_SCRIPT = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+work = json.load(open(sys.argv[2]))
+t0 = time.perf_counter()
+llm = LLM(model=sys.argv[1], dtype="float32", seed=0, max_num_batched_tokens=work["max_num_batched_tokens"],
+          max_num_seqs=work["max_num_seqs"], max_model_len=work["max_model_len"])
+startup = time.perf_counter() - t0
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work["output_lens"]]
+t0, cpu0 = time.perf_counter(), time.process_time()
+outs = llm.generate([{"prompt_token_ids": p} for p in work["prompts"]], params, use_tqdm=False)
+print(json.dumps({"elapsed_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "startup_s": startup,
+                  "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+"""
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer could not run (not installed in that interpreter, or it failed): said, never hidden."""
+
+
+def _run(peer: str, python: str, script: str, argv: list[str], timeout_s: float, env: dict | None = None) -> dict:
+    """The JSON line `script` prints last, run by `python`."""
+    try:
+        out = subprocess.run([python, "-c", script, *argv], capture_output=True, text=True, timeout=timeout_s,
+                             env={**os.environ, **(env or {})})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PeerUnavailable(f"{peer} under {python} did not run: {e}") from None
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise PeerUnavailable(f"{peer} under {python} failed: {tail}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_decode(python: str, gguf_path: Path, prompt_ids: list[int], output_len: int, num_threads: int,
+                     timeout_s: float = 600) -> dict:
+    """llama.cpp's batch-1 greedy decode figures (same keys as ours) on `gguf_path`."""
+    return _run("llama-cpp-python", python, _LLAMA_CPP_SCRIPT,
+                [str(gguf_path), str(num_threads), str(output_len), json.dumps(prompt_ids)], timeout_s)
+
+
+def vllm_generate(python: str, model_dir: Path, prompts: list[list[int]], output_lens: list[int], num_threads: int,
+                  max_num_batched_tokens: int, max_num_seqs: int, timeout_s: float = 1800) -> dict:
+    """vLLM's offline run of the requests: elapsed_s, cpu_s, startup_s and output_tokens."""
+    work = {"prompts": prompts, "output_lens": output_lens, "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_seqs": max_num_seqs, "max_model_len": max(len(p) + n for p, n in zip(prompts, output_lens)) + 16}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(num_threads, 1) - 1}",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(work, f)
+        f.flush()
+        return _run("vLLM", python, _VLLM_SCRIPT, [str(model_dir), f.name], timeout_s, env)
