@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -101,31 +102,60 @@ def measure_matmul_peak(n: int = 1024, repeat: int = 10) -> float:
     return 2 * n ** 3 * repeat / (time.perf_counter() - t) / 1e9
 
 
-def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
+@dataclass(frozen=True)
+class EngineSetup:
+    """One compared configuration of `--configs`, e.g. tp2, pp2@tdpipe, tp1t2 (tN: torch threads per rank)."""
+
+    tp: int = 1
+    pp: int = 1
+    threads: int | None = None
+    policy: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "EngineSetup":
+        m = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?(?:t(\d+))?(?:@(\w+))?", text)
+        if not m or not text:
+            raise ValueError(f"--configs entries look like tp2, pp2, tp1t2 or pp2@tdpipe; got {text!r}")
+        tp, pp, threads, policy = m.groups()
+        return cls(int(tp or 1), int(pp or 1), int(threads) if threads else None, policy)
+
+    @property
+    def name(self) -> str:
+        parts = (f"tp{self.tp}" if self.tp > 1 or self.pp == 1 else "") + (f"pp{self.pp}" if self.pp > 1 else "")
+        return parts + (f"t{self.threads}" if self.threads else "") + (f"@{self.policy}" if self.policy else "")
+
+
+def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace, setup: EngineSetup | None = None) -> Figures:
     from ecoserve.engine.llm import LLM
     from ecoserve.sampling import SamplingParams
 
+    setup = setup or EngineSetup(args.tensor_parallel_size, args.pipeline_parallel_size)
     t0 = time.perf_counter()
     llm = LLM(model, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              scheduling_policy=args.policy, num_threads=args.num_threads, dtype=args.dtype,
-              quantization=args.quantization, cpu_linear=args.cpu_linear)
-    startup = time.perf_counter() - t0
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+              scheduling_policy=setup.policy or args.policy, num_threads=setup.threads or args.num_threads,
+              dtype=args.dtype, quantization=args.quantization, cpu_linear=args.cpu_linear,
+              tensor_parallel_size=setup.tp, pipeline_parallel_size=setup.pp)
+    try:
+        startup = time.perf_counter() - t0
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
 
-    def run():
-        return llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
+        def run():
+            return llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
 
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    outs = run()
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
-    if args.profile:
-        from ecoserve.bench.profile import report
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        outs = run()
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
+        if args.profile:
+            from ecoserve.bench.profile import report
 
-        print(report(run, wl.num_output_tokens, "output token"))
-    figures = _figures("ecoserve", wl, elapsed, startup)
-    figures.cpu_s = cpu
+            print(report(run, wl.num_output_tokens, "output token"))
+    finally:
+        llm.llm_engine.shutdown()
+    figures = _figures("ecoserve" if setup == EngineSetup() and not args.configs else f"ecoserve {setup.name}", wl,
+                       elapsed, startup)
+    figures.cpu_s = cpu if setup.tp * setup.pp == 1 else None  # the ranks' CPU is in other processes
     return figures
 
 
@@ -179,6 +209,16 @@ def _figures(system: str, wl: Workload, elapsed: float, startup: float | None = 
                    (wl.num_output_tokens + wl.num_prompt_tokens) / elapsed, startup)
 
 
+def compare_setups(model: str, wl: Workload, args: argparse.Namespace, setups: list[EngineSetup]) -> list[Figures]:
+    """Each setup `args.repeat` times, interleaved (a shared machine's load hits all alike); medians of time."""
+    runs: dict[EngineSetup, list[Figures]] = {s: [] for s in setups}
+    for k in range(args.repeat):
+        for s in setups:
+            runs[s].append(run_ecoserve(model, wl, args, s))
+            print(f"round {k + 1}: {s.name} {runs[s][-1].elapsed_s:.1f} s", flush=True)
+    return [sorted(rs, key=lambda r: r.elapsed_s)[len(rs) // 2] for rs in runs.values()]
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline throughput on a fixed random workload")
     p.add_argument("--model", default=None, help="model dir / hub id / .gguf; default: a random 125M Llama")
@@ -189,7 +229,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="chunked")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--configs", nargs="+", default=None, metavar="SETUP",
+                   help="compare these engine setups on the same requests, run one after another in this command "
+                        "(--repeat rounds, interleaved): tpN, ppN, tN threads per rank, @policy; e.g. "
+                        "tp1 tp2 pp2 pp2@tdpipe")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of --configs; the median time of each is reported")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--cpu-linear", default="torch", choices=CPU_LINEARS)
@@ -209,7 +256,10 @@ def main(args: argparse.Namespace) -> int:
     config = json.loads((Path(model) / "config.json").read_text()) if Path(model).is_dir() else None
     vocab = config["vocab_size"] if config else 32000
     wl = make_workload(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range), vocab, args.seed)
-    results = [run_ecoserve(model, wl, args)]
+    if args.configs:
+        results = compare_setups(model, wl, args, [EngineSetup.parse(c) for c in args.configs])
+    else:
+        results = [run_ecoserve(model, wl, args)]
     if args.compare == "hf":
         results.append(run_hf(model, wl, args))
     elif args.compare == "vllm":
@@ -223,16 +273,21 @@ def main(args: argparse.Namespace) -> int:
             r.achieved_gflops = total / r.elapsed_s / 1e9
     print(f"\nworkload: {len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output tokens;"
           f" matmul peak {peak:.1f} GFLOP/s")
-    print(f"{'system':<18}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'GFLOP/s':>10}{'% peak':>8}")
+    print(f"{'system':<24}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'GFLOP/s':>10}{'% peak':>8}")
     for r in results:
         gf = r.achieved_gflops or 0.0
-        print(f"{r.system:<18}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
+        print(f"{r.system:<24}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
     for r in results:
         if r.cpu_s is not None:
             print(f"{r.system} process CPU: {r.cpu_s:.1f} s ({wl.num_output_tokens / r.cpu_s:.1f} output tokens per "
                   f"CPU second)")
-    if len(results) == 2:
+    if args.configs:
+        base = results[0]
+        for r in results[1:len(args.configs)]:
+            print(f"{r.system} / {base.system} output throughput: "
+                  f"{r.output_tokens_per_s / base.output_tokens_per_s:.2f}x")
+    elif len(results) == 2:
         ours, peer = results
         print(f"ecoserve / {peer.system} output throughput: {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x")
         if ours.cpu_s and peer.cpu_s:

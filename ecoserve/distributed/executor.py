@@ -11,9 +11,10 @@ import logging
 import multiprocessing as mp
 import time
 from collections import deque
+from dataclasses import replace
 from multiprocessing.connection import wait
 
-from ecoserve.distributed.comm import Topology, free_port
+from ecoserve.distributed.comm import Topology
 from ecoserve.distributed.step import StepInputBuilder
 from ecoserve.distributed.worker import HEARTBEAT_INTERVAL_S, StepDone, WorkerFailed, WorkerSpec, worker_main
 from ecoserve.sched.interface import SchedulerOutput, StepResult
@@ -67,12 +68,14 @@ class MultiprocExecutor:
         logger.info("%d workers ready (tp=%d, pp=%d)", world, self.topology.tp, self.topology.pp)
 
     # ---- steps ----------------------------------------------------------------------------
-    def submit(self, batch: SchedulerOutput) -> StepFuture:
+    def submit(self, batch: SchedulerOutput, masks=None) -> StepFuture:
+        """Send the step to every rank; `masks` (GrammarMasks) go only to the output rank, which samples."""
         self._check()
         step = self._builder.build(batch)
+        output_rank = self.topology.output_rank
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(step)
+                conn.send(replace(step, masks=masks) if masks is not None and rank == output_rank else step)
             except (BrokenPipeError, OSError) as e:
                 self._drain(timeout=1.0)  # a dead process: its sentinel names it
                 self._fail(WorkerError(f"could not send step {step.step_id} to worker "
@@ -81,8 +84,8 @@ class MultiprocExecutor:
         self._submitted.append((step.step_id, time.monotonic() + self.step_timeout_s))
         return StepFuture(self, step.step_id)
 
-    def execute(self, batch: SchedulerOutput) -> StepResult:
-        return self.submit(batch).result()
+    def execute(self, batch: SchedulerOutput, masks=None) -> StepResult:
+        return self.submit(batch, masks).result()
 
     def _wait(self, step_id: int) -> StepResult:
         self._check()
@@ -96,6 +99,19 @@ class MultiprocExecutor:
         if step_id in self._acks:
             self._drain(timeout=0)
         return step_id not in self._acks
+
+    def check(self) -> None:
+        """Raise a WorkerError if a rank has exited, or has not beaten for a step's deadline; never blocks.
+
+        Lets an idle instance notice a lost rank (a busy one notices in its next wait).
+        """
+        self._check()
+        self._drain(timeout=0)
+        now = time.monotonic()
+        stalled = [r for r in range(self.topology.world_size) if now - self._heartbeats[r] > self.step_timeout_s]
+        if stalled:
+            self._fail(WorkerError("workers stopped responding: " + ", ".join(
+                f"{self.topology.describe(r)} (no heartbeat for {now - self._heartbeats[r]:.1f} s)" for r in stalled)))
 
     # ---- receiving, with deadlines --------------------------------------------------------
     def _collect(self, step_id: int, deadline: float, what: str) -> None:

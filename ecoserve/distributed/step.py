@@ -3,16 +3,21 @@
 A worker learns a request once (`NewRequest`: prompt, sampling params); afterwards each step
 carries, per scheduled chunk, only its token ids, its position, the block ids appended to its
 table (or the whole table when it was replaced, e.g. after preemption) and whether it samples,
-plus the ids that finished. `WorkerRequests` on the worker side turns that back into a
+plus the ids that finished, and to the output rank the grammar masks of constrained rows.
+`WorkerRequests` on the worker side turns that back into a
 `SchedulerOutput` over mirror `Request`s, so the runner that executes it is the in-process one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ecoserve.request import Request
 from ecoserve.sampling import SamplingParams
 from ecoserve.sched.interface import ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from ecoserve.engine.guided import GrammarMasks
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class StepInput:
     new_requests: tuple[NewRequest, ...]
     chunks: tuple[ChunkInput, ...]
     finished_ids: tuple[str, ...]
+    masks: GrammarMasks | None = None  # structured outputs: only the output rank, which samples, gets them
 
     @property
     def num_tokens(self) -> int:

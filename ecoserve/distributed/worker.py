@@ -96,7 +96,7 @@ def worker_main(spec: WorkerSpec, rank: int, conn, heartbeats) -> None:
             step: StepInput | None = conn.recv()
             if step is None:
                 break
-            result = runner.execute(state.apply(step))
+            result = runner.execute(state.apply(step), step.masks)
             conn.send(StepDone(rank, step.step_id, result if is_output else None))
         if link is not None:
             link.flush()

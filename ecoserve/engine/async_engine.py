@@ -101,6 +101,7 @@ class RequestStream:
 
 _STOP = ("stop",)
 _STUCK_POLL_S = 0.001  # how often an engine that could schedule nothing looks again
+_IDLE_CHECK_S = 0.5  # how often an idle engine checks its executor (a parallel instance's ranks)
 
 
 class AsyncEngine:
@@ -259,9 +260,12 @@ class AsyncEngine:
                 # Block for work only when idle (or stuck: the last step could schedule nothing, and
                 # only a command can change that); otherwise take what has arrived and step.
                 commands = []
-                if not engine.has_unfinished_requests():
-                    commands.append(self._commands.get())
-                elif engine.last_step_empty:
+                while not commands and not engine.has_unfinished_requests():
+                    try:
+                        commands.append(self._commands.get(timeout=_IDLE_CHECK_S))
+                    except queue.Empty:
+                        engine.check()  # a rank that died while idle kills the loop now, not at the next request
+                if not commands and engine.last_step_empty:
                     try:
                         commands.append(self._commands.get(timeout=_STUCK_POLL_S))
                     except queue.Empty:

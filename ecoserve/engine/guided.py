@@ -3,9 +3,10 @@
 `GrammarCompiler` turns a StructuredOutputsParams into a pristine matcher on a worker thread
 and caches it by the spec's key, so the engine loop never waits for a new grammar (the engine
 queues a request once its grammar is ready). `GuidedDecoder` keeps each constrained
-sequence's matcher, masks its logits row every step (rows without a matcher are untouched and
-cost nothing) and advances the matcher with the sampled token. The matcher only ever moves on
-sampled tokens, so a recompute after preemption leaves it where it was.
+sequence's matcher, computes the bitmasks of a batch's constrained rows when the batch is
+submitted (`GrammarMasks`: the runner applies them before sampling; rows without a matcher are
+untouched and cost nothing) and advances the matcher with the sampled token. The matcher only
+ever moves on sampled tokens, so a recompute after preemption leaves it where it was.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import json
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ecoserve.structured import StructuredOutputsParams
@@ -97,13 +100,34 @@ def _first_line(message: str) -> str:
     return " ".join(lines[:3]) if lines else "the grammar was rejected"
 
 
+@dataclass(frozen=True)
+class GrammarMasks:
+    """One step's allowed tokens for its constrained rows: plain data, so it travels in a StepInput."""
+
+    request_ids: tuple[str, ...]
+    bitmask: np.ndarray  # [rows, ceil(vocab / 32)] int32; bit j of word w allows token 32 * w + j
+
+    def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
+        """In place: tokens the grammar forbids get -inf in the rows (ordered as `request_ids`) it covers."""
+        where = {rid: i for i, rid in enumerate(request_ids)}
+        pairs = [(where[rid], k) for k, rid in enumerate(self.request_ids) if rid in where]
+        if not pairs:
+            return
+        words = torch.from_numpy(self.bitmask[[k for _, k in pairs]])
+        allowed = ((words.unsqueeze(-1) >> _BITS) & 1).flatten(1).bool()
+        vocab = logits.shape[1]
+        if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids are never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        idx = torch.tensor([i for i, _ in pairs], device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+
+
 class GuidedDecoder:
     """The live matchers of constrained sequences (request id -> matcher), owned by one engine."""
 
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._matchers: dict[str, Any] = {}
-        self._bitmask: torch.Tensor | None = None
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -118,26 +142,24 @@ class GuidedDecoder:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
-        """In place: tokens the grammar forbids get -inf in the rows of constrained sequences."""
+    def masks(self, request_ids: Sequence[str]) -> GrammarMasks | None:
+        """The allowed-token bitmasks of the constrained ones among `request_ids` (None if there are none).
+
+        Computed when a batch is submitted, from matchers that have taken every token sampled so
+        far (a request is in one batch in flight at most), so the runner that samples, in this
+        process or on a parallel instance's output rank, only applies them.
+        """
         if not self._matchers:
-            return
-        rows = [(i, m) for i, rid in enumerate(request_ids) if (m := self._matchers.get(rid)) is not None]
+            return None
+        rows = [(rid, m) for rid in request_ids if (m := self._matchers.get(rid)) is not None]
         if not rows:
-            return
+            return None
         words = (self.compiler.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
-            self._bitmask = torch.empty((max(len(rows), 8), words), dtype=torch.int32)
-        bitmask = self._bitmask
-        # Straight into the tensor's memory (llguidance.torch would import torch.compile: seconds).
+        bitmask = np.empty((len(rows), words), dtype=np.int32)
+        # Straight into the array's memory (llguidance.torch would import torch.compile: seconds).
         for j, (_, matcher) in enumerate(rows):
-            matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
-        allowed = ((bitmask[:len(rows)].unsqueeze(-1) >> _BITS) & 1).flatten(1).bool()
-        vocab = logits.shape[1]
-        if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the extra ids are never allowed
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-        idx = torch.tensor([i for i, _ in rows], device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+            matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
+        return GrammarMasks(tuple(rid for rid, _ in rows), bitmask)
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance a sequence's matcher; True when the grammar is complete (nothing but EOS may follow)."""

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self.max_model_len = config.scheduler.max_model_len or loaded.max_model_len
         block_size = config.cache.block_size
-        per_token = self._kv_bytes_per_token()
+        per_token = self.kv_bytes_per_token()
         # Default budget: 1 GiB, or less when even max_num_seqs requests at max_model_len need less.
         budget = config.cache.kv_cache_memory_bytes or min(
             DEFAULT_CPU_KV_BYTES, per_token * self.max_model_len * config.scheduler.max_num_seqs)
@@ -108,22 +109,30 @@ class LLMEngine:
                     "%.2fx", num_blocks, block_size, capacity, capacity * per_token / 2**20, self.max_model_len,
                     capacity / self.max_model_len)
         self.num_kv_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.clock, self.max_model_len)
+        sched_config = config.scheduler
+        if sched_config.tdpipe.num_stages is None and parallel.pipeline_parallel_size > 1:  # tdpipe: the real stages
+            sched_config = replace(sched_config, tdpipe=replace(sched_config.tdpipe,
+                                                                num_stages=parallel.pipeline_parallel_size))
+        self.scheduler = Scheduler(sched_config, config.cache, num_blocks, self.clock, self.max_model_len)
         # Matchers of constrained sequences live here, in the engine's process (also in a cluster instance).
         self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids))
                                     ) if self.tokenizer is not None else None
         if parallel.world_size == 1:
             loaded.model.ensure_positions(self.max_model_len)
-            self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed, self.guided)
+            self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed)
         else:
             from ecoserve.distributed.launch import start_workers
             self.executor = start_workers(config, loaded, num_blocks, self.max_model_len)
+        # Submitted batches, oldest first, with their futures: up to max_concurrent_batches (pp by default) run at
+        # once; the scheduler's in-flight set keeps their requests out of later batches until each result is back.
+        self.max_in_flight = parallel.batches_in_flight
+        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.last_step_empty = False  # the last step() found nothing it could schedule
 
-    def _kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self) -> int:
         """KV bytes per token on the most loaded rank (the budget is per rank; blocks are the same on all)."""
         config, spec = self.config, self.loaded.spec
         parallel = config.parallel
@@ -137,6 +146,12 @@ class LLMEngine:
         kv_heads = HeadShard.of(spec, parallel.tensor_parallel_size, 0).num_kv_heads
         dtype = resolve_dtype(config.dtype, config.device, spec.torch_dtype)
         return max(PagedKVCache.bytes_per_token(len(r), kv_heads, spec.head_dim, dtype) for r in stages)
+
+    def check(self) -> None:
+        """Raise the executor's error if a rank of a parallel instance has died or stalled, even while idle."""
+        check = getattr(self.executor, "check", None)
+        if check is not None:
+            check()
 
     def shutdown(self) -> None:
         """Stop the worker processes of a parallel instance (nothing to do in-process)."""
@@ -173,9 +188,6 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
     def validate_params(self, params: SamplingParams) -> SamplingParams:
-        if params.structured_outputs is not None and self.config.parallel.world_size > 1:
-            # The ranks' runners hold no grammar matchers: refuse rather than sample unconstrained.
-            raise ValueError("structured outputs are not supported with tensor or pipeline parallelism yet")
         return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -234,20 +246,31 @@ class LLMEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        """Requests not finished, or batches still in flight (e.g. of requests aborted meanwhile)."""
+        return bool(self._parents or self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns one delta output per request that got new tokens or finished."""
-        out = self.scheduler.schedule()
-        self.last_step_empty = out.is_empty
-        if out.is_empty:
+        """Submit batches while fewer than max_concurrent_batches are in flight and the scheduler has work, then
+        take the oldest batch's result; returns one delta output per request that got new tokens or finished.
+
+        With one batch in flight (the default without pipeline parallelism) this is schedule, run, update.
+        """
+        in_flight = self._in_flight
+        while len(in_flight) < self.max_in_flight:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                break
+            in_flight.append((out, self.executor.submit(out, self._grammar_masks(out))))
+        self.last_step_empty = not in_flight
+        if not in_flight:
             self.flush_finished()
             return []
-        result = self.executor.execute(out)
+        out, future = in_flight.popleft()
+        result = future.result()  # raises if a rank died or stalled: the engine is dead then
         self.scheduler.update(out, result)
         touched: dict[str, _Parent] = {}
         for chunk in out.chunks:
@@ -274,6 +297,13 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             self.flush_finished()
         return outputs
+
+    def _grammar_masks(self, out: SchedulerOutput):
+        """Bitmasks of the batch's constrained sampling rows, from matchers that have seen every earlier token."""
+        guided = self.guided
+        if guided is None or not len(guided):
+            return None
+        return guided.masks([c.request.request_id for c in out.chunks if c.samples])
 
     def _forget(self, parent: _Parent) -> None:
         for c in parent.children:

@@ -3,6 +3,11 @@
 One batch description per step (ids, positions, slot mapping, attention spans); no padding in
 the token dimension. Logits are computed only for rows that are sampled (and for prompt rows of
 requests that asked for prompt logprobs).
+
+This is the one runner: the single-process engine calls it directly, and every rank of a
+parallel instance runs it on the batch its `StepInput` rebuilds (ecoserve.distributed.step).
+Grammar masks come in with the batch (the engine computes them at submit time), so the output
+rank of a parallel instance samples constrained rows exactly as the single process does.
 """
 from __future__ import annotations
 
@@ -12,14 +17,14 @@ import torch
 
 from ecoserve.engine.attention import PagedAttention
 from ecoserve.engine.kv_cache import PagedKVCache
-from ecoserve.engine.guided import GuidedDecoder
+from ecoserve.engine.guided import GrammarMasks
 from ecoserve.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0, guided: GuidedDecoder | None = None) -> None:
+                 seed: int = 0) -> None:
         self.model = model
         self.device = torch.device(device)
         self.kv_cache = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
@@ -27,7 +32,6 @@ class ModelRunner:
         self.attention = PagedAttention(self.kv_cache)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        self.guided = guided  # grammar masks for constrained rows, applied before sampling (as vLLM); the engine owns it
         torch.manual_seed(seed)
 
     def _generator(self, request) -> torch.Generator | None:
@@ -39,8 +43,12 @@ class ModelRunner:
             gen = self._generators[request.request_id] = make_generator(seed, self.device)
         return gen
 
+    def submit(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> "ReadyStep":
+        """The engine's one interface to executors (see ecoserve.distributed.executor): here the step runs now."""
+        return ReadyStep(self.execute(batch, masks))
+
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> StepResult:
+    def execute(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> StepResult:
         started = time.perf_counter()
         for rid in batch.finished_ids:
             self._generators.pop(rid, None)
@@ -73,8 +81,8 @@ class ModelRunner:
         if sample_rows:  # under tensor parallelism only rank 0 gets the gathered logits (None elsewhere)
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows])])
         if logits is not None:
-            if self.guided is not None:
-                self.guided.apply(logits, [c.request.request_id for c, _ in sample_rows])
+            if masks is not None:  # tokens a grammar forbids get -inf before sampling (as vLLM)
+                masks.apply(logits, [c.request.request_id for c, _ in sample_rows])
             rows = [SamplingRow.from_request(c.request, self._generator(c.request)) for c, _ in sample_rows]
             sampled = self.sampler(logits, rows)
             for k, (chunk, _) in enumerate(sample_rows):
@@ -93,3 +101,18 @@ class ModelRunner:
                                                                      req.sampling_params.prompt_logprobs)
         result.duration = time.perf_counter() - started
         return result
+
+
+class ReadyStep:
+    """A step that already ran: the in-process runner's answer to `submit` (the future's interface)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: StepResult) -> None:
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> StepResult:
+        return self._result

@@ -28,10 +28,14 @@ def run_instance(args: argparse.Namespace) -> int:
         engine = RealEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
         if args.served_model_name:
             engine.model_name = args.served_model_name
-    tokens = tuple(int(t) for t in args.profile_tokens.split(",") if t.strip())
-    profile = engine.profile(tokens)
-    opts = InstanceOptions(args.connect, args.kv_host, args.heartbeat_interval, frontend_timeout_s=args.frontend_timeout)
-    return InstanceLoop(engine, opts, profile).run()
+    try:
+        tokens = tuple(int(t) for t in args.profile_tokens.split(",") if t.strip())
+        profile = engine.profile(tokens)
+        opts = InstanceOptions(args.connect, args.kv_host, args.heartbeat_interval,
+                               frontend_timeout_s=args.frontend_timeout)
+        return InstanceLoop(engine, opts, profile).run()
+    finally:
+        engine.close()
 
 
 def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:

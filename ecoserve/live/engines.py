@@ -43,11 +43,9 @@ class RealEngine:
         self.engine = engine
         self.scheduler: Scheduler = engine.scheduler
         self._prompt_logprobs_sent: set[str] = set()
-        cache = engine.executor.kv_cache
-        self.kv_cache = cache
-        self.block_size = cache.block_size
-        self.kv_bytes_per_token = cache.bytes_per_token(cache.k.shape[0], cache.k.shape[3], cache.k.shape[4],
-                                                        cache.k.dtype)
+        self.kv_cache = getattr(engine.executor, "kv_cache", None)  # None: a parallel instance's KV is in its ranks
+        self.block_size = engine.config.cache.block_size
+        self.kv_bytes_per_token = engine.kv_bytes_per_token()
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
 
@@ -106,14 +104,30 @@ class RealEngine:
             rows.append((n, (time.perf_counter() - started) * 1e3))
         return sorted(set(rows))
 
+    def check(self) -> None:
+        """Raise if a rank of a parallel instance has died or stalled (nothing to check in one process)."""
+        self.engine.check()
+
+    def close(self) -> None:
+        """Stop a parallel instance's rank processes."""
+        self.engine.shutdown()
+
     # ---- KV blocks as raw buffers -----------------------------------------------------------
+    def _local_cache(self):
+        if self.kv_cache is None:
+            raise NotImplementedError("KV transfer to or from a tensor/pipeline-parallel instance is not supported: "
+                                      "its KV lives in the rank processes")
+        return self.kv_cache
+
     def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
         import torch
+        self._local_cache()
         idx = torch.tensor(block_ids, dtype=torch.long)
         return [memoryview(t[:, idx].contiguous().numpy()).cast("B") for t in (self.kv_cache.k, self.kv_cache.v)]
 
     def write_blocks(self, block_ids: list[int], buffers: list[bytes | memoryview]) -> None:
         import torch
+        self._local_cache()
         idx = torch.tensor(block_ids, dtype=torch.long)
         for t, buf in zip((self.kv_cache.k, self.kv_cache.v), buffers):
             shape = (t.shape[0], len(block_ids), *t.shape[2:])
@@ -193,6 +207,12 @@ class MockEngine:
 
     def profile(self, token_counts: tuple[int, ...]) -> list[tuple[int, float]]:
         return list(zip(self.perf.tokens, self.perf.ms))
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
         return []  # no tensors: a transfer moves only the block count

@@ -3,7 +3,9 @@
 The loop applies the frontend's commands between steps, steps the engine, sends each step's output
 deltas in one message, a status after every step (and at least every `status_interval_s`), and a
 heartbeat from the same loop, so an engine that stalls goes silent and is declared lost. It exits on
-its own when the frontend has been silent for `frontend_timeout_s` (the frontend died).
+its own when the frontend has been silent for `frontend_timeout_s` (the frontend died), and with
+ENGINE_DEAD when its engine fails (e.g. a rank of a parallel instance died or stalled: the engine's
+error names it), which the frontend sees as a lost instance.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ecoserve.live import messages as m
 from ecoserve.live.kv import KVHeader, ZmqKVConnector
 
 logger = logging.getLogger(__name__)
+ENGINE_DEAD = 4  # exit status of an instance whose engine failed
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class InstanceLoop:
         return False
 
     def run(self) -> int:
-        """Serve until told to shut down (0) or the frontend is gone (3)."""
+        """Serve until told to shut down (0), the frontend is gone (3) or the engine failed (ENGINE_DEAD)."""
         try:
             if not self._hello():
                 return 1
@@ -101,7 +104,11 @@ class InstanceLoop:
             if self.kv.pull in ready:
                 status_dirty |= self._imports()
             if busy:
-                deltas = self.engine.step()
+                try:
+                    deltas = self.engine.step()
+                except Exception:
+                    logger.exception("the engine failed: this instance stops (the frontend declares it lost)")
+                    return ENGINE_DEAD
                 if deltas:
                     self.send(m.Outputs(deltas))
                     self._check_paused(deltas)
@@ -111,6 +118,11 @@ class InstanceLoop:
                 self._send_status()
                 last_status, status_dirty = now, False
             if now - last_beat >= self.opts.heartbeat_s:
+                try:
+                    self.engine.check()  # a parallel instance's ranks, also while idle
+                except Exception:
+                    logger.exception("the engine failed: this instance stops (the frontend declares it lost)")
+                    return ENGINE_DEAD
                 self.send(m.Heartbeat(now))
                 last_beat = now
             if now - last_heard > self.opts.frontend_timeout_s:
@@ -188,7 +200,7 @@ class InstanceLoop:
             tokens = msg.num_tokens
             self.kv.send(msg.dst_address, KVHeader(msg.request_id, msg.transfer_id, self.instance_id, tokens,
                                                    nbytes), buffers, self.opts.kv_send_timeout_s)
-        except TimeoutError as e:
+        except (TimeoutError, NotImplementedError) as e:
             self.send(m.RequestFailed(msg.request_id, str(e)))
         finally:
             kv.release(msg.request_id)
@@ -202,6 +214,11 @@ class InstanceLoop:
                 self.send(m.RequestFailed(header.request_id, f"no room for {header.num_tokens} tokens of "
                                                              f"imported KV"))
                 continue
-            self.engine.write_blocks(ids, buffers)
+            try:
+                self.engine.write_blocks(ids, buffers)
+            except NotImplementedError as e:
+                kv.release(header.request_id)
+                self.send(m.RequestFailed(header.request_id, str(e)))
+                continue
             self.send(m.ImportedKV(header.request_id, header.transfer_id, header.src, header.nbytes))
         return bool(got)

@@ -102,4 +102,5 @@ class TemporalDisaggregation(Policy):
             return
         sched.schedule_running_all(list(sched.running), step)
 
+
 from ecoserve.sched import tdpipe  # noqa: E402,F401  (registers "tdpipe"; it builds on Policy above)

@@ -162,7 +162,9 @@ class TDPipe(Policy):
             self._predicted.pop(rid)
             self._last_batch.pop(rid, None)
         stages = sched.config.tdpipe.num_stages or 1
-        if self.decode_count % stages == 0:
+        if not self.prefill_mode and not sched.running:
+            self.prefill_mode = True  # nothing left to decode (the round of pp micro-batches ended early)
+        elif self.decode_count % stages == 0:
             self.update_mode(sched, stages)
         if self.prefill_mode:
             if self._prefill(sched, step):

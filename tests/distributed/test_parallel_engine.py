@@ -23,7 +23,7 @@ def mixed_prompts():
 def run(path, **kwargs):
     llm = LLM(str(path), **{**TIGHT, **kwargs})
     try:
-        params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+        params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=1, temperature=0.0)  # greedy
         outs = llm.generate([{"prompt_token_ids": p} for p in mixed_prompts()], params, use_tqdm=False)
         preemptions = llm.llm_engine.scheduler.num_preemptions_total
     finally:
@@ -46,9 +46,8 @@ def llama(tmp_path_factory):
     return path, reference
 
 
-@pytest.mark.parametrize("kwargs", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
-                                    dict(pipeline_parallel_size=2, pp_layer_partition="3,1")],
-                         ids=["tp2", "pp2", "pp2-3,1"])
+@pytest.mark.parametrize("kwargs", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2, pp_layer_partition="3,1")],
+                         ids=["tp2", "pp2-3,1"])  # PP runs 2 batches in flight by default; plain pp2: see below
 def test_parallel_equals_single_engine(llama, kwargs):
     path, reference = llama
     got, preemptions = run(path, **kwargs)
@@ -66,3 +65,63 @@ def test_model_variants(tmp_path, arch, overrides, kwargs):
     reference, _ = run(path)
     got, _ = run(path, **kwargs)
     assert_same(got, reference)
+
+
+class SubmitLog:
+    """Wraps an executor's submit: records which requests each batch in flight holds."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.submit = engine, engine.executor.submit
+        self.max_in_flight, self.overlaps = 0, []
+        engine.executor.submit = self
+
+    def __call__(self, batch, masks=None):
+        ids = {c.request.request_id for c in batch.chunks}
+        for other, _ in self.engine._in_flight:
+            self.overlaps += ids & {c.request.request_id for c in other.chunks}
+        self.max_in_flight = max(self.max_in_flight, len(self.engine._in_flight) + 1)
+        return self.submit(batch, masks)
+
+
+def streams(path, max_concurrent_batches):
+    """Greedy and seeded-sampled requests on PP=2; each request's token deltas in the order they streamed."""
+    llm = LLM(str(path), **{**TIGHT, "pipeline_parallel_size": 2, "max_concurrent_batches": max_concurrent_batches})
+    engine = llm.llm_engine
+    log = SubmitLog(engine)
+    try:
+        for i, p in enumerate(mixed_prompts()):
+            params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=0.8 * (i % 2), seed=i)
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        deltas = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                deltas.setdefault(out.request_id, []).append(list(out.outputs[0].new_token_ids))
+        preemptions = engine.scheduler.num_preemptions_total
+    finally:
+        engine.shutdown()
+    return deltas, log, preemptions
+
+
+def test_two_batches_in_flight_equal_one(llama):
+    """PP=2: with 2 batches in flight no request is in two at once, and the streams equal 1 in flight's."""
+    path, reference = llama
+    one, log1, _ = streams(path, 1)
+    two, log2, preemptions = streams(path, 2)
+    assert log1.max_in_flight == 1 and log2.max_in_flight == 2
+    assert log2.overlaps == [], "a request was in two batches in flight at once"
+    assert preemptions > 0
+    assert two == one  # every request's deltas, in the order they streamed
+    assert [sum(two[str(i)], []) for i in range(0, len(reference), 2)] == [o.token_ids for o in reference[::2]]
+
+
+def test_tdpipe_on_pp2_equals_single_engine(llama):
+    """The tdpipe policy on a real PP=2 engine: it plans with the engine's 2 stages; greedy tokens unchanged."""
+    path, reference = llama
+    llm = LLM(str(path), **{**TIGHT, "pipeline_parallel_size": 2, "scheduling_policy": "tdpipe"})
+    try:
+        assert llm.llm_engine.scheduler.config.tdpipe.num_stages == 2
+        params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=1, temperature=0.0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in mixed_prompts()], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert_same([o.outputs[0] for o in outs], reference)

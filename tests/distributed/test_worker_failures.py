@@ -1,4 +1,7 @@
-"""A rank that dies or stalls: a clear error naming it within the step deadline, never a hang; then 503."""
+"""A rank that dies or stalls: a clear error naming it within the step deadline, never a hang; then 503.
+
+The killed rank is found by the next request; the stopped one while the engine is idle (its heartbeat).
+"""
 import os
 import signal
 import time
@@ -34,6 +37,10 @@ def test_lost_rank_fails_clearly_and_server_answers_503(model, how, signum, rank
         assert complete(running.url).status_code == 200
         os.kill(pid, signum)
         started = time.monotonic()
+        if how == "stopped":  # found while idle: /health turns 503 with no request sent
+            while httpx.get(f"{running.url}/health", timeout=10).status_code == 200:
+                assert time.monotonic() - started < STEP_TIMEOUT_S + 10, "the idle engine missed the stopped rank"
+                time.sleep(0.2)
         r = complete(running.url)
         elapsed = time.monotonic() - started
         assert r.status_code == 503, r.text

@@ -150,3 +150,16 @@ def test_two_batches_in_flight_never_share_a_request():
     add(sched, 16, seed=2)
     drain(sched, clock, in_flight=2, check=check)
     assert sched.num_preemptions_total > 0
+
+
+def test_decode_phase_with_nothing_left_to_decode_returns_to_prefill():
+    # the decode phase drained every running request in the middle of a round of pp micro-batches (the switch
+    # is evaluated only every pp of them) while prompts wait: the next schedule must prefill, not stall
+    sched, clock = make(stages=2)
+    add(sched, 3)
+    policy = sched.policy
+    policy.prefill_mode, policy.decode_count = False, 1
+    out = sched.schedule()
+    assert out.num_prefill_tokens > 0 and policy.prefill_mode
+    sched.update(out, StepResult(sampled={c.request.request_id: 7 for c in out.chunks if c.samples}))
+    drain(sched, clock, in_flight=2)

@@ -8,7 +8,7 @@ import queue
 import httpx
 import pytest
 
-from ecoserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from ecoserve.engine.async_engine import _STUCK_POLL_S, AsyncEngine, EngineDeadError, EngineOverloadedError
 from ecoserve.engine.llm import engine_config_from_kwargs
 from ecoserve.engine.llm_engine import LLMEngine
 from ecoserve.sampling import SamplingParams
@@ -113,11 +113,13 @@ def test_a_stream_never_started_is_aborted_and_forgotten(engine):
 
 
 class _RecordingQueue(queue.SimpleQueue):
+    """Counts the loop's stuck polls (the idle loop's periodic executor check is another, longer wait)."""
+
     def __init__(self) -> None:
         self.timed_waits = 0
 
     def get(self, block=True, timeout=None):
-        if block and timeout is not None:
+        if block and timeout == _STUCK_POLL_S:
             self.timed_waits += 1
         return super().get(block, timeout)
 

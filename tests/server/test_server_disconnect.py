@@ -28,9 +28,9 @@ def slow_steps(server, monkeypatch):
     executor = server.llm_engine.executor
     execute = executor.execute
 
-    def slow(batch):
+    def slow(*args):  # the batch (and its grammar masks)
         time.sleep(0.02)
-        return execute(batch)
+        return execute(*args)
 
     monkeypatch.setattr(executor, "execute", slow)
 
