@@ -10,3 +10,7 @@ class InstanceLostError(EngineDeadError):
 
 class RequestTimeoutError(EngineDeadError):
     """A request passed its deadline in the cluster."""
+
+
+class UnroutableError(EngineDeadError):
+    """The cluster controller could not place a request (e.g. every instance it could use is lost)."""

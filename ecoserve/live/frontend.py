@@ -23,6 +23,7 @@ from ecoserve.engine.async_engine import EngineDeadError, EngineOverloadedError,
 from ecoserve.live import messages as m
 from ecoserve.live.actions import apply_actions
 from ecoserve.live.board import InstanceBoard, InstanceHandle
+from ecoserve.live.errors import UnroutableError
 from ecoserve.live.requests import LiveRequest
 from ecoserve.live.watch import lose, receive, watch
 from ecoserve.request import RequestOutput
@@ -223,10 +224,24 @@ class ClusterEngine:
             return  # statuses are read from the board on demand; nothing else can happen yet
         try:
             actions = self.controller.handle(event)
-        except Exception:
+        except Exception as err:
             logger.exception("the cluster controller failed on %s", type(event).__name__)
+            self._end_stranded(event, err)
             return
         apply_actions(self, actions)
+
+    def _end_stranded(self, event: ev.Event, err: Exception) -> None:
+        """A controller that could not act must not leave requests waiting for their deadline: end the
+        arriving request, or those of a lost instance (none of them was re-routed), with a clear error."""
+        if isinstance(event, ev.RequestArrived):
+            stranded = [self.requests.get(event.request_id)]
+        elif isinstance(event, ev.InstanceLost):
+            stranded = [r for r in self.requests.values() if r.instance == event.instance_id]
+        else:
+            return
+        for req in stranded:
+            if req is not None and not req.done:
+                self.fail(req, UnroutableError(f"the cluster could not place request {req.request_id!r}: {err!r}"))
 
     def send(self, h: InstanceHandle, msg: m.Msg) -> None:
         try:

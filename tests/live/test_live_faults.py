@@ -169,6 +169,17 @@ def test_duplicate_request_id_refused(cluster):
     assert outs[-1].finished and outs[-1].outputs[0].num_tokens == 2
 
 
+def test_with_every_instance_lost_a_request_ends_at_once(cluster):
+    """The controller cannot place it (the fake NoDG router has no instance left): a clear error, not the deadline."""
+    last = next(i["id"] for i in cluster.cluster() if i["state"] == "ready")
+    os.kill(_pid(cluster, last), signal.SIGKILL)
+    wait_until(lambda: all(i["state"] == "lost" for i in cluster.cluster()), 15, "the last instance to be lost")
+    call = Call(cluster.url, stream=False, max_tokens=3)
+    call.join(DEADLINE_S)
+    assert call.error is not None and "could not place" in str(call.error)
+    assert call.elapsed < 10 and not cluster.engine.requests
+
+
 def test_instance_exits_when_the_frontend_dies(tiny_model, profile):
     """A frontend that goes away (here: a bare socket that welcomes the instance, then closes)."""
     ctx = zmq.Context()
