@@ -14,8 +14,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weight-only quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model "
                         "keeps its Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints")
-    p.add_argument("--cpu-linear", default="torch", choices=CPU_LINEARS,
-                   help="float32 linear layers on CPU: torch's F.linear, or oneDNN with prepacked weights (opt-in)")
+    p.add_argument("--cpu-linear", default="auto", choices=CPU_LINEARS,
+                   help="float32 linear layers on CPU: oneDNN with prepacked weights (onednn), torch's F.linear "
+                        "(torch), or auto (default): onednn where torch has it and one process holds the model")
     p.add_argument("--scheduling-policy", default="chunked")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -6,8 +6,9 @@ from typing import Any
 
 # --quantization: none (float weights), gguf (a GGUF file's blocks as stored), int8 (Q8_0 of a float checkpoint)
 QUANTIZATIONS = ("none", "gguf", "int8")
-# --cpu-linear: float32 linears on CPU through torch's F.linear, or oneDNN with prepacked weights
-CPU_LINEARS = ("torch", "onednn")
+# --cpu-linear: float32 linears on CPU through torch's F.linear, or oneDNN with prepacked weights; auto
+# (the default) packs them where oneDNN is available and the model is loaded whole in one process
+CPU_LINEARS = ("auto", "torch", "onednn")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -114,7 +115,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"  # auto (float32 on CPU) | float32 | bfloat16 | float16
     quantization: str | None = None  # None/none: float weights | gguf: keep GGUF blocks | int8: Q8_0 weights (CPU)
-    cpu_linear: str = "torch"  # float32 linears on CPU: torch (F.linear) | onednn (prepacked oneDNN weights)
+    cpu_linear: str = "auto"  # float32 linears on CPU: auto | torch (F.linear) | onednn (prepacked oneDNN weights)
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU

@@ -8,22 +8,23 @@ import sys
 import time
 from pathlib import Path
 
-from ecoserve.config import QUANTIZATIONS
+from ecoserve.config import CPU_LINEARS, QUANTIZATIONS
 
 _READY_SCRIPT = """
 import sys, time
 t0 = float(sys.argv[1])
 from ecoserve.engine.llm import LLM
 LLM(None if sys.argv[2] == '-' else sys.argv[2], num_threads=int(sys.argv[3]) or None,
-    quantization=None if sys.argv[4] == '-' else sys.argv[4])
+    quantization=None if sys.argv[4] == '-' else sys.argv[4], cpu_linear=sys.argv[5])
 print(time.time() - t0)
 """
 
 
-def measure_startup(model: str | None, num_threads: int, quantization: str | None = None) -> float:
+def measure_startup(model: str | None, num_threads: int, quantization: str | None = None,
+                    cpu_linear: str = "auto") -> float:
     """Seconds from launching a fresh Python process to an engine ready to serve (imports included)."""
     out = subprocess.run([sys.executable, "-c", _READY_SCRIPT, repr(time.time()), model or "-", str(num_threads),
-                          quantization or "-"], check=True, capture_output=True, text=True)
+                          quantization or "-", cpu_linear], check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -33,13 +34,13 @@ def prompt_token_ids(prompt_len: int) -> list[int]:
 
 
 def measure_decode(model: str | None, prompt_len: int, output_len: int, num_threads: int,
-                   quantization: str | None = None, profile: bool = False) -> dict:
+                   quantization: str | None = None, profile: bool = False, cpu_linear: str = "auto") -> dict:
     """Batch-1 greedy decode: wall-clock figures, and process CPU time per output token (robust to a
     shared machine, where wall time includes waiting for a core)."""
     from ecoserve.engine.llm import LLM
     from ecoserve.sampling import SamplingParams
 
-    llm = LLM(model, num_threads=num_threads or None, quantization=quantization)
+    llm = LLM(model, num_threads=num_threads or None, quantization=quantization, cpu_linear=cpu_linear)
     prompt = {"prompt_token_ids": prompt_token_ids(prompt_len)}
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -66,6 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
                    help="one run per value, side by side (e.g. --quantization none gguf)")
+    p.add_argument("--cpu-linear", default="auto", choices=CPU_LINEARS, help="float32 linear layers (see serve)")
     p.add_argument("--compare", choices=["llama-cpp"], default=None,
                    help="also run llama.cpp (llama-cpp-python) on the same GGUF file, prompt and threads")
     p.add_argument("--peer-python", default=sys.executable,
@@ -91,13 +93,13 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--compare llama-cpp needs a .gguf model (or the embedded default)")
     runs: list[dict] = []
     for quantization in quantizations:
-        startup = measure_startup(args.model, args.num_threads, quantization)
+        startup = measure_startup(args.model, args.num_threads, quantization, args.cpu_linear)
         print(f"ecoserve (quantization {quantization or 'none'}) start-up (process start to ready): {startup:.2f} s")
         runs.append({"system": f"ecoserve-{quantization or 'float32'}", "startup_s": startup})
     for round_ in range(args.repeats):
         for quantization, run in zip(quantizations, runs):
             figures = measure_decode(args.model, args.prompt_len, args.output_len, args.num_threads, quantization,
-                                     args.profile and round_ == 0)
+                                     args.profile and round_ == 0, args.cpu_linear)
             run.setdefault("rounds", []).append(figures)
             _print_decode(run["system"], figures, args.prompt_len)
             if "profile" in figures:

@@ -239,7 +239,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=1, help="rounds of --configs; the median time of each is reported")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
-    p.add_argument("--cpu-linear", default="torch", choices=CPU_LINEARS)
+    p.add_argument("--cpu-linear", default="auto", choices=CPU_LINEARS)
     p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
     p.add_argument("--compare", choices=["hf", "vllm"], default=None,
                    help="also run HF transformers, or vLLM's CPU build (in --peer-python), on the same requests")

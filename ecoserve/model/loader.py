@@ -231,17 +231,18 @@ def load_model_info(model: str | None, *, revision: str | None = None, tokenizer
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                revision: str | None = None, tokenizer: str | None = None,
                skip_tokenizer_init: bool = False, weights: bool = True,
-               quantization: str | None = None, cpu_linear: str = "torch") -> LoadedModel:
+               quantization: str | None = None, cpu_linear: str = "auto") -> LoadedModel:
     """Load weights, tokenizer (unless skipped: then None) and serving facts.
 
     `model`: directory, .gguf, hub id, or None (embedded). weights=False: everything but the weights
     (`model` is None); parallel workers load their own shards. `quantization`: see `resolve_quantization`.
-    `cpu_linear="onednn"`: float32 linear layers on CPU run prepacked oneDNN weights (model/packed.py).
+    `cpu_linear="onednn"`: float32 linear layers on CPU run prepacked oneDNN weights (model/packed.py);
+    "auto" does so where torch has oneDNN (2x torch's GEMM per core here, docs/benchmarks.md).
     """
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
     source = gguf_file(model)
     quantization = resolve_quantization(quantization, dtype, source is not None, device)
-    if (quantization is not None or cpu_linear != "torch") and not weights:
+    if (quantization is not None or cpu_linear == "onednn") and not weights:
         raise ValueError("--quantization and --cpu-linear onednn run in a single-process instance, not under TP/PP")
     info = load_model_info(model, revision=revision, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init)
     info.quantization = quantization
@@ -257,12 +258,12 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
         info.model = build_model(spec, info.path, resolve_dtype(dtype, device, spec.torch_dtype), device)
         if quantization == "int8":
             quantize_linears_int8(info.model)
-    if cpu_linear == "onednn":
-        from ecoserve.model.packed import onednn_available, pack_linears
+    from ecoserve.model.packed import onednn_available, pack_linears
 
-        if not onednn_available():
-            raise ValueError("--cpu-linear onednn: this torch build has no oneDNN (mkldnn) backend")
-        pack_linears(info.model)
+    if cpu_linear == "onednn" and not onednn_available():
+        raise ValueError("--cpu-linear onednn: this torch build has no oneDNN (mkldnn) backend")
+    if cpu_linear == "onednn" or (cpu_linear == "auto" and onednn_available()):
+        pack_linears(info.model)  # only float32 layers on CPU are packed
     logger.info("model weights: %.1f MiB in memory (%s)", weight_bytes(info.model) / 2**20,
                 describe_weights(info.model))
     return info

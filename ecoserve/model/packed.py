@@ -1,4 +1,4 @@
-"""Prepacked oneDNN linear layers for float32 on CPU (`--cpu-linear onednn`, opt-in).
+"""Prepacked oneDNN linear layers for float32 on CPU (`--cpu-linear auto`, the default, or `onednn`).
 
 torch's `F.linear` on CPU runs MKL's SGEMM; oneDNN with the weight reordered once into its blocked
 layout (what vLLM's CPU backend does) measured 2-2.5x faster on one core here (AMD EPYC, AVX-512)
