@@ -8,7 +8,11 @@ leaves open, as taken here:
 - Split when adding would exceed N_u: the new macro instance gets N_l instances (the added one and
   N_l - 1 moved from the original), so `n_upper >= 2 * n_lower - 1` keeps both within bounds.
 - Contract when a macro instance's saved TPOT (the caller's aggregate: mean over its instances of
-  the instance mean) exceeds `contract_factor * S_TTFT * (n+1)/n` (T_TTFT read as the TTFT SLO).
+  the instance mean) exceeds `contract_factor * S_TTFT * (n+1)/n` (T_TTFT read as the TTFT SLO),
+  and only while its mean TTFT is below `contract_below_ttft * S_TTFT`: the paper gives the two
+  triggers no precedence, and under load the slack banked by long outputs stays above the range while
+  TTFT sits just under its SLO, so without this margin a macro instance contracts right after it
+  expanded and overloads again (measured: docs/reproduction.md, "Dynamic mitosis"); 1.0 disables it.
   The instance comes from the smallest macro instance above N_l, else from the largest; it drains
   (finishes its requests, receives nothing) and then returns to the free pool.
 - Merge two macro instances whenever together they hold at most N_u (smallest two first).
@@ -26,6 +30,7 @@ class MitosisConfig:
     n_upper: int
     ttft_slo: float
     contract_factor: float = 1.0
+    contract_below_ttft: float = 0.5  # contract only while mean TTFT < this x S_TTFT (1.0: no margin)
     cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -66,8 +71,11 @@ class MitosisController:
             if m not in self.macros or self._cooling(m, now):
                 continue
             n = len(self.macros[m])
-            if mean_ttft.get(m, 0.0) > self.config.ttft_slo:
+            ttft = mean_ttft.get(m, 0.0)
+            if ttft > self.config.ttft_slo:
                 act = self.expand(m)
+            elif ttft >= self.config.contract_below_ttft * self.config.ttft_slo:
+                act = None  # between the triggers: keep the size
             else:
                 saved = saved_tpot.get(m)
                 limit = self.config.contract_factor * self.config.ttft_slo * (n + 1) / n

@@ -59,7 +59,7 @@ class InstanceLoop:
         self.sock.connect(self.opts.connect)
         self.send(m.Ready(m.PROTOCOL_VERSION, e.model_name, os.getpid(), socket.gethostname(), self.kv.address,
                           sched.kv.num_blocks * sched.kv.block_size, sched.kv.block_size, e.kv_bytes_per_token,
-                          e.max_model_len, self.profile, e.mock))
+                          e.max_model_len, self.profile, e.mock, self._max_step_ms()))
         deadline = time.monotonic() + self.opts.welcome_timeout_s
         while time.monotonic() < deadline:
             if not self.sock.poll(100):
@@ -74,6 +74,12 @@ class InstanceLoop:
         logger.error("no welcome from the frontend at %s within %.0f s", self.opts.connect,
                      self.opts.welcome_timeout_s)
         return False
+
+    def _max_step_ms(self) -> float:
+        from ecoserve.live.board import profile_step_time
+
+        budget = self.engine.scheduler.config.max_num_batched_tokens
+        return 1000 * profile_step_time(self.profile)(budget) if self.profile else 0.0
 
     def run(self) -> int:
         """Serve until told to shut down (0), the frontend is gone (3) or the engine failed (ENGINE_DEAD)."""
@@ -101,6 +107,10 @@ class InstanceLoop:
                 last_heard = time.monotonic()
                 if self._stop:
                     return 0
+            elif time.monotonic() - last_heard > self.opts.frontend_timeout_s:
+                # checked only after a poll: pings queued during a long step are read before this
+                logger.error("the frontend has been silent for %.1f s: exiting", time.monotonic() - last_heard)
+                return 3
             if self.kv.pull in ready:
                 status_dirty |= self._imports()
             if busy:
@@ -125,9 +135,6 @@ class InstanceLoop:
                     return ENGINE_DEAD
                 self.send(m.Heartbeat(now))
                 last_beat = now
-            if now - last_heard > self.opts.frontend_timeout_s:
-                logger.error("the frontend has been silent for %.1f s: exiting", now - last_heard)
-                return 3
 
     def _send_status(self) -> None:
         self._status_seq += 1

@@ -16,7 +16,7 @@ from ecoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # 2: AddRequest.num_output_tokens (a grammar continues on the decode leg)
+PROTOCOL_VERSION = 3  # 2: AddRequest.num_output_tokens (a grammar continues on the decode leg); 3: Ready.max_step_ms
 
 
 class Msg(msgspec.Struct, tag=True, frozen=True):
@@ -92,6 +92,9 @@ class Ready(Msg):
     max_model_len: int
     profile: list[tuple[int, float]]  # tokens -> ms of one batched step (the router's prefill-time profile)
     mock: bool = False
+    # the profile read at its full token budget: a step this long sends no heartbeat, which the frontend
+    # must not take for a stall (on one CPU core a 2048-token step of a 135M model takes seconds)
+    max_step_ms: float = 0.0
 
 
 class Status(Msg):

@@ -67,6 +67,11 @@ async def watch(fe: "ClusterEngine") -> None:
             logger.exception("the frontend watchdog failed")
 
 
+def silence_allowed(fe: "ClusterEngine", h: InstanceHandle) -> float:
+    """The heartbeat timeout, plus twice the instance's longest step: it beats between steps only."""
+    return fe.opts.heartbeat_timeout_s + 2 * (h.ready.max_step_ms / 1000 if h.ready else 0.0)
+
+
 def check_instances(fe: "ClusterEngine", now: float) -> None:
     for h in list(fe.board.instances.values()):
         if h.state == "lost":
@@ -74,7 +79,7 @@ def check_instances(fe: "ClusterEngine", now: float) -> None:
         code = fe.launcher.exit_code(h.instance_id) if fe.launcher is not None else None
         if code is not None:
             lose(fe, h, f"process exited with code {code}")
-        elif h.state != "starting" and now - h.last_heard > fe.opts.heartbeat_timeout_s:
+        elif h.state != "starting" and now - h.last_heard > silence_allowed(fe, h):
             lose(fe, h, f"no heartbeat for {now - h.last_heard:.1f} s")
         elif h.state == "starting" and now > fe.ready_deadline:
             lose(fe, h, f"did not join within {fe.opts.ready_timeout_s:.0f} s")

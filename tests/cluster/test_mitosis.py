@@ -48,6 +48,18 @@ def test_saved_tpot_inside_range_does_nothing():
     assert c.step(0, {0: 1.0}, {0: 5.0 * 9 / 8 + 1e-6})[0].kind == "drain"
 
 
+def test_no_contraction_while_ttft_is_near_its_slo():
+    """Between contract_below_ttft x S_TTFT and S_TTFT a macro instance keeps its size, however much
+    TPOT slack it banked; with the margin disabled (1.0) it contracts as soon as TTFT is met."""
+    c = ctl(sizes=(8,), free=2)
+    assert c.step(0, {0: 2.5}, {0: 99.0}) == []  # 0.5 x 5 s: at the margin
+    assert c.step(0, {0: 4.9}, {0: 99.0}) == []
+    assert c.step(0, {0: 2.4}, {0: 99.0})[0].kind == "drain"
+    loose = MitosisController(MitosisConfig(6, 11, ttft_slo=5.0, contract_below_ttft=1.0, cooldown_s=0.0),
+                              {0: list(range(8))})
+    assert loose.step(0, {0: 4.9}, {0: 99.0})[0].kind == "drain"
+
+
 def test_released_instances_return_to_pool():
     c = ctl(sizes=(8,), free=0)
     iid = c.step(0, {}, {0: 99.0})[0].instances[0]

@@ -17,6 +17,7 @@ import zmq
 from ecoserve.live import messages as m
 from ecoserve.live.frontend import FrontendOptions
 from ecoserve.live.launchers import instance_command
+from ecoserve.live.watch import silence_allowed
 from ecoserve.sampling import SamplingParams
 from tests.live.conftest import mock_args, start_cluster, wait_until, write_profile
 from tests.live.fakes import FakeNoDG
@@ -118,7 +119,9 @@ def test_sigstop_is_a_missed_heartbeat(cluster):
         call.join(DEADLINE_S)
         assert call.error is None, call.error  # nothing had streamed: it completed elsewhere
         assert len([c for c in call.chunks if c.choices and c.choices[0].text is not None]) >= 1
-        assert call.elapsed < 2.0 + 1.5 + 5  # heartbeat deadline + a prefill elsewhere + slack
+        silence = silence_allowed(cluster.engine, cluster.engine.board[iid])
+        assert silence < 2.0 + 2 * 3.6  # the heartbeat timeout + twice the profile's step at 2048 tokens
+        assert call.elapsed < silence + 1.5 + 5  # heartbeat deadline + a prefill elsewhere + slack
         assert _state(cluster, iid) == "lost"
     finally:
         os.kill(pid, signal.SIGKILL)
@@ -203,3 +206,21 @@ def test_instance_exits_when_the_frontend_dies(tiny_model, profile):
         if proc.poll() is None:
             proc.kill()
         ctx.term()
+
+
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_stall(tiny_model, tmp_path):
+    """A 3-s prompt step (a one-thread CPU instance's 2048-token step takes seconds) beats no heartbeat
+    for longer than the 0.5-s timeout and hears no ping for longer than its 2-s frontend timeout:
+    neither side may take that for a death."""
+    slow = write_profile(tmp_path / "slow.csv", [(1, 20.0), (4, 25.0), (8, 3000.0), (512, 3000.0)])
+    running = start_cluster(tiny_model, lambda step_time, status_of: FakeNoDG([0], status_of), 1,
+                            lambda iid: mock_args(tiny_model, slow, "prefill_first", "--frontend-timeout", "2"),
+                            options=FrontendOptions(request_timeout_s=DEADLINE_S, heartbeat_timeout_s=0.5))
+    try:
+        call = Call(running.url, stream=False, max_tokens=3)
+        call.join(DEADLINE_S)
+        assert call.error is None, call.error
+        assert call.result.usage.completion_tokens == 3 and call.elapsed > 3.0
+        assert _state(running, 0) == "ready"
+    finally:
+        running.stop()
