@@ -43,6 +43,15 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit(f"server on port {port} not ready after {timeout:.0f} s")
 
 
+def warm_up(port: int) -> None:
+    """One short completion first, as `vllm bench serve` does, so no client times a cold first step."""
+    body = json.dumps({"model": NAME, "prompt": "Hello", "max_tokens": 8}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
+
+
 def stop(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGINT)
@@ -116,6 +125,7 @@ def main() -> int:
         try:
             wait_ready(port, proc, args.ready_timeout)
             startup = time.time() - t0
+            warm_up(port)
             print(f"{system}: ready in {startup:.1f} s", flush=True)
             for client in args.clients.split(","):
                 name = f"{system}--{client}.json"

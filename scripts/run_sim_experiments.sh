@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs every named simulator experiment one after another (one core), writing JSON + PNG to results/sim/
 # (progress lines on stdout, e.g. | tee results/sim/experiments.log); then the speed run.
-# Usage: scripts/run_sim_experiments.sh [seconds of arrivals per rate point, default 8] [at least this many
-#        requests per rate point, default 200]   (docs/reproduction.md used 8 and 200, see "How these numbers were made")
+# Usage: scripts/run_sim_experiments.sh [seconds of arrivals per rate point, default 45] [at least this many
+#        requests per rate point, default 400]   (docs/reproduction.md's numbers; about 50 min on one core)
 set -uo pipefail  # one failing experiment does not stop the others
-DUR="${1:-8}"
-MIN="${2:-200}"
+DUR="${1:-45}"
+MIN="${2:-400}"
 OUT=results/sim
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
@@ -13,7 +13,7 @@ for exp in ${EXPERIMENTS:-overall slo burstiness scaling ablation stepcost windo
   echo "=== $exp (duration ${DUR}s, >= $MIN requests) $(date +%T)"
   extra=()
   case "$exp" in
-    mitosis) extra=(--mitosis-step 60) ;;
+    mitosis) extra=() ;;
     windows) ;;
     *) extra=(--num-requests "$MIN") ;;
   esac

@@ -136,13 +136,15 @@ def stepcost(runs: list[dict]) -> None:
 
 
 def mitosis(runs: list[dict]) -> None:
-    d = runs[0]
-    series = list(d["series"])
-    print("| t (s) | rate | " + " | ".join(f"{ECO.get(e, e)}: attainment, instances, sizes" for e in series) + " |")
-    print("|---" * (len(series) + 2) + "|")
-    for rows in zip(*(d["series"][e] for e in series)):
-        print(f"| {rows[0]['t']:.0f} | {rows[0]['rate']} | "
-              + " | ".join(f"{r['attainment']:.3f}, {r['instances']}, {r['sizes']}" for r in rows) + " |")
+    """One table per run found (e.g. mitosis/ and mitosis_no_margin/, in path order)."""
+    for d in runs:
+        series = list(d["series"])
+        print("| t (s) | rate | " + " | ".join(f"{ECO.get(e, e)}: attainment, instances, sizes" for e in series) + " |")
+        print("|---" * (len(series) + 2) + "|")
+        for rows in zip(*(d["series"][e] for e in series)):
+            print(f"| {rows[0]['t']:.0f} | {rows[0]['rate']} | "
+                  + " | ".join(f"{r['attainment']:.3f}, {r['instances']}, {r['sizes']}" for r in rows) + " |")
+        print()
 
 
 def windows(runs: list[dict]) -> None:
