@@ -223,9 +223,24 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   // with fewer sequences than about two per thread the heads are split between tasks instead.
   const int64_t splits = std::min<int64_t>(Hkv, std::max<int64_t>(1, (2 * at::get_num_threads() + B - 1) / B));
   const int64_t per_task = (Hkv + splits - 1) / splits;
-  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = B * splits;
+  // Tasks cost their context length, which varies: each thread gets a run of tasks of about equal
+  // total length (parallel_for alone would split the task count evenly, so one thread waits).
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  std::vector<int64_t> bounds(threads + 1, tasks);
+  bounds[0] = 0;
+  if (threads > 1) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) total += splits * lp[b];
+    int64_t seen = 0, next = 1;
+    for (int64_t idx = 0; idx < tasks && next < threads; ++idx) {
+      seen += lp[idx / splits];
+      if (seen * threads >= total * next) bounds[next++] = idx + 1;
+    }
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores, acc(Hq * D);
-    for (int64_t idx = begin; idx < end; ++idx) {
+    for (int64_t idx = bounds[first]; idx < bounds[last]; ++idx) {
       const int64_t b = idx / splits, h0 = (idx % splits) * per_task, nh = std::min(per_task, Hkv - h0);
       if (nh <= 0) continue;
       const Task task{qp + (b * Hq + h0 * G) * D, kp + h0 * D, vp + h0 * D, tp + b * nblk,
