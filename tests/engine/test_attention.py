@@ -58,14 +58,25 @@ def test_paged_attention_equals_dense_over_steps(native):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 @pytest.mark.parametrize("num_seqs", [1, 5])
-def test_native_decode_kernel_equals_sdpa(head_dim, num_seqs):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_decode_kernel_equals_sdpa(head_dim, num_seqs, threads):
     """The SIMD rows (head dims a multiple of the vector width), the plain loops (80), one sequence
-    (its kv heads split between tasks) and several, over blocks scattered through the cache."""
+    (its kv heads split between tasks) and several of unequal lengths (split between threads by
+    length), over blocks scattered through the cache."""
     from ecoserve.engine.kernels import paged_decode
 
     kernel = paged_decode()
     if kernel is None:
         pytest.skip("no native kernel on this machine")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_native_decode(kernel, head_dim, num_seqs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_native_decode(kernel, head_dim, num_seqs):
     torch.manual_seed(head_dim + num_seqs)
     bs, hq, hkv, nblocks = 16, 8, 2, 64
     k_cache, v_cache = torch.randn(nblocks, bs, hkv, head_dim), torch.randn(nblocks, bs, hkv, head_dim)
