@@ -58,6 +58,21 @@ inline void prefetch_row(const float* p, int64_t floats) {
   for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(p + f, 0, 3);
 }
 
+// Calls fn(row, t) for each cached row t < L of this task's sequence (row: its kv heads' D floats),
+// block by block, requesting the next block's rows while this one is read.
+template <typename Fn>
+inline void for_each_row(const Task& t, const float* cache, Fn&& fn) {
+  for (int64_t t0 = 0; t0 < t.L; t0 += t.bs) {
+    const int64_t n = std::min(t.bs, t.L - t0);
+    const float* rows = cache + t.table[t0 / t.bs] * t.bs * t.row;
+    const float* next = t0 + t.bs < t.L ? cache + t.table[t0 / t.bs + 1] * t.bs * t.row : nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+      if (next) prefetch_row(next + i * t.row, t.nh * t.D);
+      fn(rows + i * t.row, t0 + i);
+    }
+  }
+}
+
 void softmax_rows(float* scores, int64_t G, int64_t L) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * L;
@@ -76,35 +91,27 @@ void softmax_rows(float* scores, int64_t G, int64_t L) {
 }
 
 void attend_scalar(const Task& t, float* scores, float* acc) {
-  for (int64_t t0 = 0; t0 < t.L; t0 += t.bs) {
-    const int64_t n = std::min(t.bs, t.L - t0);
-    const float* kt = t.k + t.table[t0 / t.bs] * t.bs * t.row;
-    for (int64_t i = 0; i < n; ++i, kt += t.row) {
-      for (int64_t g = 0; g < t.nh * t.G; ++g) {
-        const float* qg = t.q + g * t.D;
-        const float* kh = kt + (g / t.G) * t.D;
-        float s = 0.f;
+  for_each_row(t, t.k, [&](const float* kt, int64_t tok) {
+    for (int64_t g = 0; g < t.nh * t.G; ++g) {
+      const float* qg = t.q + g * t.D;
+      const float* kh = kt + (g / t.G) * t.D;
+      float s = 0.f;
 #pragma omp simd reduction(+:s)
-        for (int64_t d = 0; d < t.D; ++d) s += qg[d] * kh[d];
-        scores[g * t.L + t0 + i] = s * t.scale;
-      }
+      for (int64_t d = 0; d < t.D; ++d) s += qg[d] * kh[d];
+      scores[g * t.L + tok] = s * t.scale;
     }
-  }
+  });
   softmax_rows(scores, t.nh * t.G, t.L);
   std::fill(acc, acc + t.nh * t.G * t.D, 0.f);
-  for (int64_t t0 = 0; t0 < t.L; t0 += t.bs) {
-    const int64_t n = std::min(t.bs, t.L - t0);
-    const float* vt = t.v + t.table[t0 / t.bs] * t.bs * t.row;
-    for (int64_t i = 0; i < n; ++i, vt += t.row) {
-      for (int64_t g = 0; g < t.nh * t.G; ++g) {
-        const float p = scores[g * t.L + t0 + i];
-        const float* vh = vt + (g / t.G) * t.D;
-        float* ag = acc + g * t.D;
+  for_each_row(t, t.v, [&](const float* vt, int64_t tok) {
+    for (int64_t g = 0; g < t.nh * t.G; ++g) {
+      const float p = scores[g * t.L + tok];
+      const float* vh = vt + (g / t.G) * t.D;
+      float* ag = acc + g * t.D;
 #pragma omp simd
-        for (int64_t d = 0; d < t.D; ++d) ag[d] += p * vh[d];
-      }
+      for (int64_t d = 0; d < t.D; ++d) ag[d] += p * vh[d];
     }
-  }
+  });
   std::copy(acc, acc + t.nh * t.G * t.D, t.out);
 }
 
@@ -141,43 +148,31 @@ inline float vsum(vec x) {
 // NV = D / W vectors per row, a compile-time count so that a row stays in registers.
 template <int NV>
 void attend_simd(const Task& t, float* scores, float* acc) {
-  for (int64_t t0 = 0; t0 < t.L; t0 += t.bs) {
-    const int64_t n = std::min(t.bs, t.L - t0);
-    const float* kt = t.k + t.table[t0 / t.bs] * t.bs * t.row;
-    const float* next = t0 + t.bs < t.L ? t.k + t.table[t0 / t.bs + 1] * t.bs * t.row : nullptr;
-    for (int64_t i = 0; i < n; ++i, kt += t.row) {
-      if (next) prefetch_row(next + i * t.row, t.nh * t.D);
-      for (int64_t h = 0; h < t.nh; ++h) {
-        vec kv[NV];
-        for (int j = 0; j < NV; ++j) kv[j] = vload(kt + h * t.D + j * W);
-        for (int64_t g = h * t.G; g < (h + 1) * t.G; ++g) {
-          const float* qg = t.q + g * t.D;
-          vec s = vmul(vload(qg), kv[0]);
-          for (int j = 1; j < NV; ++j) s = vfma(vload(qg + j * W), kv[j], s);
-          scores[g * t.L + t0 + i] = vsum(s) * t.scale;
-        }
+  for_each_row(t, t.k, [&](const float* kt, int64_t tok) {
+    for (int64_t h = 0; h < t.nh; ++h) {
+      vec kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = vload(kt + h * t.D + j * W);
+      for (int64_t g = h * t.G; g < (h + 1) * t.G; ++g) {
+        const float* qg = t.q + g * t.D;
+        vec s = vmul(vload(qg), kv[0]);
+        for (int j = 1; j < NV; ++j) s = vfma(vload(qg + j * W), kv[j], s);
+        scores[g * t.L + tok] = vsum(s) * t.scale;
       }
     }
-  }
+  });
   softmax_rows(scores, t.nh * t.G, t.L);
   std::fill(acc, acc + t.nh * t.G * t.D, 0.f);
-  for (int64_t t0 = 0; t0 < t.L; t0 += t.bs) {
-    const int64_t n = std::min(t.bs, t.L - t0);
-    const float* vt = t.v + t.table[t0 / t.bs] * t.bs * t.row;
-    const float* next = t0 + t.bs < t.L ? t.v + t.table[t0 / t.bs + 1] * t.bs * t.row : nullptr;
-    for (int64_t i = 0; i < n; ++i, vt += t.row) {
-      if (next) prefetch_row(next + i * t.row, t.nh * t.D);
-      for (int64_t h = 0; h < t.nh; ++h) {
-        vec vv[NV];
-        for (int j = 0; j < NV; ++j) vv[j] = vload(vt + h * t.D + j * W);
-        for (int64_t g = h * t.G; g < (h + 1) * t.G; ++g) {
-          const vec p = vset1(scores[g * t.L + t0 + i]);
-          float* ag = acc + g * t.D;
-          for (int j = 0; j < NV; ++j) vstore(ag + j * W, vfma(p, vv[j], vload(ag + j * W)));
-        }
+  for_each_row(t, t.v, [&](const float* vt, int64_t tok) {
+    for (int64_t h = 0; h < t.nh; ++h) {
+      vec vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = vload(vt + h * t.D + j * W);
+      for (int64_t g = h * t.G; g < (h + 1) * t.G; ++g) {
+        const vec p = vset1(scores[g * t.L + tok]);
+        float* ag = acc + g * t.D;
+        for (int j = 0; j < NV; ++j) vstore(ag + j * W, vfma(p, vv[j], vload(ag + j * W)));
       }
     }
-  }
+  });
   std::copy(acc, acc + t.nh * t.G * t.D, t.out);
 }
 #endif
