@@ -42,11 +42,11 @@ inline float exp_nonpositive(float x) {
 }
 
 struct Task {
-  const float* q;        // G query rows of D floats
-  const float* k;        // the cache, offset to this kv head
+  const float* q;        // nh * G query rows of D floats
+  const float* k;        // the cache, offset to this task's first kv head
   const float* v;
   const int64_t* table;  // this sequence's block ids
-  float* out;            // G output rows of D floats
+  float* out;            // nh * G output rows of D floats
   int64_t L, G, D, bs, row;  // row: floats between consecutive tokens of a block
   int64_t nh;            // kv heads of this task (consecutive); its query rows are nh * G
   float scale;
