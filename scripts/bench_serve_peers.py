@@ -86,6 +86,8 @@ def client_command(client: str, args: argparse.Namespace, port: int, result_dir:
               "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate), "--seed", "0",
               "--ignore-eos", "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
               "--disable-tqdm"]
+    if args.temperature is not None:  # unset: each client's default (ours 0, vLLM's none: the model's config)
+        common += ["--temperature", str(args.temperature)]
     if client == "vllm-bench":
         return [str(Path(args.peer_python).with_name("vllm")), "bench", "serve", *common]
     return [sys.executable, "-m", "ecoserve", "bench", "serve", *common]
@@ -103,6 +105,9 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=2.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sent by both clients (default: each client's own: ours 0, vLLM's none, so the servers "
+                        "apply the model's generation config)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--port", type=int, default=18700)
@@ -140,7 +145,8 @@ def main() -> int:
         finally:
             stop(proc)
             log.close()
-    print(f"\n{args.num_prompts} requests of {args.input_len} in / {args.output_len} out at {args.request_rate} req/s; "
+    print(f"\n{args.num_prompts} requests of {args.input_len} in / {args.output_len} out at {args.request_rate} req/s, "
+          f"temperature {args.temperature if args.temperature is not None else 'per client'}; "
           f"servers on cores {args.server_cores}, clients on {args.client_cores}")
     print(f"{'system':<15}{'client':<16}{'done':>5}{'out tok/s':>11}{'TTFT ms':>10}{'TPOT ms':>10}{'P99 TPOT':>10}")
     for r in rows:
