@@ -112,6 +112,7 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--port", type=int, default=18700)
     p.add_argument("--ready-timeout", type=float, default=600)
+    p.add_argument("--client-timeout", type=float, default=1800, help="seconds one client run may take")
     p.add_argument("--out", default="results/serve_peers")
     args = p.parse_args()
     args.model_dir = args.model_dir or str(default_model_dir())
@@ -135,7 +136,8 @@ def main() -> int:
             for client in args.clients.split(","):
                 name = f"{system}--{client}.json"
                 subprocess.run(pin(args.client_cores, client_command(client, args, port, out, name)), check=True,
-                               stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                               stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                               timeout=args.client_timeout)
                 r = json.loads((out / name).read_text())
                 rows.append({"system": system, "client": client, "startup_s": startup,
                              "completed": r["completed"], "output_throughput": r["output_throughput"],

@@ -1,4 +1,4 @@
-"""--cpu-linear onednn: prepacked oneDNN linears against torch's F.linear, layer and whole model."""
+"""--cpu-linear onednn / auto (the default): prepacked oneDNN linears against torch's F.linear, layer and whole model."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +23,7 @@ def test_packed_linear_matches_f_linear(rows):
 
 def test_packed_model_matches_the_plain_one(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "llama")
-    packed, plain = load_model(str(ckpt), cpu_linear="onednn").model, load_model(str(ckpt)).model
+    packed, plain = load_model(str(ckpt), cpu_linear="onednn").model, load_model(str(ckpt), cpu_linear="torch").model
     assert isinstance(packed.layers[0].mlp.down_proj, PackedLinear) and isinstance(packed.lm_head, PackedLinear)
     ids = prompts(1, seed=3)[0]
     with torch.no_grad():
@@ -36,3 +36,10 @@ def test_packed_model_matches_the_plain_one(tmp_path):
 def test_packing_is_single_process_only(tmp_path):
     with pytest.raises(ValueError, match="single-process"):
         load_model(str(make_tiny_checkpoint(tmp_path / "ckpt", "llama")), cpu_linear="onednn", weights=False)
+
+
+def test_auto_packs_a_whole_model_and_torch_keeps_f_linear(tmp_path):
+    ckpt = str(make_tiny_checkpoint(tmp_path / "ckpt", "llama"))
+    assert isinstance(load_model(ckpt).model.layers[0].self_attn.qkv_proj, PackedLinear)  # the default: auto
+    assert not any(isinstance(m, PackedLinear) for m in load_model(ckpt, cpu_linear="torch").model.modules())
+    assert load_model(ckpt, weights=False).model is None  # auto under TP/PP: the ranks keep F.linear, no error

@@ -124,7 +124,6 @@ inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
-inline vec vzero() { return _mm512_setzero_ps(); }
 inline float vsum(vec x) { return _mm512_reduce_add_ps(x); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ECOSERVE_SIMD 1
@@ -135,7 +134,6 @@ inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
-inline vec vzero() { return _mm256_setzero_ps(); }
 inline float vsum(vec x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
