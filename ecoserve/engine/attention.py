@@ -5,7 +5,8 @@ each layer writes its new K/V into the slots first and then attends, so a reques
 written by another request earlier in the same step (prefix-cache hits on blocks in flight).
 Decodes (one query token) run in one call of a native kernel that reads K/V straight from the
 blocks (ecoserve.engine.kernels), or, without it, as batched SDPA over padded block gathers;
-prompt chunks run per request with a causal mask offset by the cached prefix.
+prompt chunks attend causally, offset by the cached prefix: all of a step's in one call of the
+native prefill kernel (reading the blocks too), or per request with SDPA.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ecoserve.engine.attention_metadata import AttentionMetadata, Span, build_metadata
-from ecoserve.engine.kernels import paged_decode
+from ecoserve.engine.kernels import paged_decode, paged_prefill
 from ecoserve.engine.kv_cache import PagedKVCache
 
 
@@ -23,16 +24,16 @@ class PagedAttention:
     def __init__(self, cache: PagedKVCache, use_native: bool | None = None) -> None:
         self.cache = cache
         self.meta: AttentionMetadata | None = None
-        native = None
+        native = prefill = None
         if use_native is not False and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
-            native = paged_decode()
+            native, prefill = paged_decode(), paged_prefill()
         if use_native and native is None:
             raise RuntimeError("the native paged decode kernel was asked for but could not be built")
-        self._native = native
+        self._native, self._prefill = native, prefill  # the prefill kernel needs AVX2 or AVX-512
 
     def build_metadata(self, spans: list[Span]) -> AttentionMetadata:
         """spans: per request (start, num_tokens, block_table, is_prefill) in flattened order."""
-        return build_metadata(spans, self.cache.block_size, None if self._native else 0.25)
+        return build_metadata(spans, self.cache.block_size, self._native is not None, self._prefill is not None)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -42,7 +43,9 @@ class PagedAttention:
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         gqa = q.shape[1] != k.shape[1]
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the qkv output
+        if meta.prefill_batch is not None:
+            self._prefill(q, k_cache, v_cache, out, meta.prefill_batch.tables, meta.prefill_batch.spans, scale)
         for span in meta.prefills:
             # 4-D [1, H, T, D] inputs: the CPU flash kernel takes them (3-D ones with a mask fall back to
             # the slow math path)

@@ -2,6 +2,8 @@
 
 Which rows are decodes is the scheduler's `is_prefill` rule, passed in with each span; decodes
 are grouped by context length so that padded gathers waste little (none with the native kernel).
+For the native kernels the prompt chunks of a step are one `PrefillBatch` read from the cache;
+without them each chunk is a `PrefillSpan` for torch SDPA.
 """
 from __future__ import annotations
 
@@ -21,6 +23,13 @@ class PrefillSpan:
 
 
 @dataclass
+class PrefillBatch:
+    """Every prompt chunk of a step for the native prefill kernel, which reads K/V from the cache."""
+    spans: torch.Tensor  # [P, 3] (q_start, q_len, ctx_len)
+    tables: torch.Tensor  # [P, nblk] block tables padded with block 0
+
+
+@dataclass
 class DecodeGroup:
     token_index: torch.Tensor  # [B] offsets of the decode tokens in the flattened step
     blocks: torch.Tensor  # [B, nblk] block tables padded with block 0
@@ -33,6 +42,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V go
     prefills: list[PrefillSpan]
     decodes: list[DecodeGroup]
+    prefill_batch: PrefillBatch | None = None  # instead of `prefills`, for the native kernel
 
 
 def decode_groups(token_index: list[int], ctx_lens: list[int], tables: list[list[int]], block_size: int,
@@ -62,23 +72,33 @@ def decode_groups(token_index: list[int], ctx_lens: list[int], tables: list[list
     return out
 
 
-def build_metadata(spans: list[Span], block_size: int, max_padding: float | None = 0.25) -> AttentionMetadata:
-    """spans: per request (start, num_tokens, block_table, is_prefill) in flattened order."""
+def build_metadata(spans: list[Span], block_size: int, native_decode: bool = False,
+                   native_prefill: bool = False) -> AttentionMetadata:
+    """spans: per request (start, num_tokens, block_table, is_prefill) in flattened order; native_decode: one
+    unpadded decode group, native_prefill: a PrefillBatch (for the native kernels), else for torch SDPA."""
     bs = block_size
     slot_chunks, prefills = [], []
     dec_index, dec_lens, dec_tables = [], [], []
+    pre_spans, pre_tables = [], []
     offset = 0
     for start, n, table, prefill in spans:
         end = start + n
         positions = torch.arange(start, end)
         blocks = torch.tensor(table, dtype=torch.long)
         slot_chunks.append(blocks[positions // bs] * bs + positions % bs)
-        if prefill:
+        if prefill and native_prefill:
+            pre_spans.append((offset, n, end))
+            pre_tables.append(table[:-(-end // bs)])
+        elif prefill:
             prefills.append(PrefillSpan(offset, n, end, blocks[:-(-end // bs)] if start > 0 else None))
         else:
             dec_index.append(offset)
             dec_lens.append(end)
             dec_tables.append(table)
         offset += n
-    decodes = decode_groups(dec_index, dec_lens, dec_tables, bs, max_padding) if dec_index else []
-    return AttentionMetadata(torch.cat(slot_chunks), prefills, decodes)
+    decodes = decode_groups(dec_index, dec_lens, dec_tables, bs, None if native_decode else 0.25) if dec_index else []
+    batch = None
+    if pre_spans:
+        nblk = max(len(t) for t in pre_tables)
+        batch = PrefillBatch(torch.tensor(pre_spans), torch.tensor([t + [0] * (nblk - len(t)) for t in pre_tables]))
+    return AttentionMetadata(torch.cat(slot_chunks), prefills, decodes, batch)

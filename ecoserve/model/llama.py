@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ecoserve.model.attention import AttentionBackend
+from ecoserve.model.fused import native_for
 from ecoserve.model.layers import GatedMLP, RMSNorm
 from ecoserve.model.parallel import (HeadShard, ParallelLMHead, RowParallelLinear, ShardPlan, StageLink, TPComm,
                                      VocabParallelEmbedding)
@@ -35,13 +36,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        native = native_for(qkv) if self.q_norm is None and qkv.is_contiguous() else None
+        if native is not None:  # q and k side by side in each row: one in-place pass rotates both
+            native.rotary_(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 

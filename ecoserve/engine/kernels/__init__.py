@@ -4,8 +4,9 @@ Builds are cached under `$ECOSERVE_CACHE` (or `~/.cache/ecoserve`)/kernels, one 
 version and source file; the source's hash decides whether a rebuild is needed.
 
 The engine works without them: if the compiler or ninja is missing, or ECOSERVE_NO_NATIVE=1,
-`paged_decode()` returns None and attention falls back to torch SDPA over gathered blocks, and
-`quant_matmul()` returns None and quantized layers dequantize with torch.
+`paged_decode()` and `paged_prefill()` return None and attention falls back to torch SDPA (over
+gathered blocks for decodes), `fused_ops()` returns None and the layers run torch's elementwise
+ops, and `quant_matmul()` returns None and quantized layers dequantize with torch.
 """
 from __future__ import annotations
 
@@ -48,8 +49,13 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+_FAST_MATH = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# elementwise ops that must round as torch's do: no reassociation, no fused multiply-adds
+_EXACT_MATH = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+
 @functools.lru_cache(maxsize=None)
-def _load(source: str, what: str):
+def _load(source: str, what: str, exact: bool = False):
     if os.environ.get("ECOSERVE_NO_NATIVE") == "1":
         return None
     try:
@@ -58,7 +64,7 @@ def _load(source: str, what: str):
         _put_ninja_on_path()
         started = time.perf_counter()
         module = load(f"ecoserve_{source}", [str(Path(__file__).with_name(f"{source}.cpp"))],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                      extra_cflags=_EXACT_MATH if exact else _FAST_MATH,
                       build_directory=str(_build_dir(source)), verbose=False)
         logger.debug("native %s kernel ready in %.1f s", source, time.perf_counter() - started)
         return module
@@ -71,6 +77,18 @@ def paged_decode():
     """The compiled `paged_decode(q, k_cache, v_cache, tables, lens, scale)`, or None."""
     module = _load("paged_decode", "torch SDPA")
     return module.paged_decode if module is not None else None
+
+
+def paged_prefill():
+    """The compiled `paged_prefill(q, k_cache, v_cache, out, tables, spans, scale)`, or None (also
+    where the compiler targets neither AVX2 nor AVX-512)."""
+    module = _load("paged_prefill", "torch SDPA")
+    return module.paged_prefill if module is not None and module.has_simd() else None
+
+
+def fused_ops():
+    """The compiled module with `rms_norm`, `add_rms_norm_`, `rotary_` and `silu_and_mul`, or None."""
+    return _load("fused_ops", "torch elementwise ops", exact=True)
 
 
 def quant_matmul():

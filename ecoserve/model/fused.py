@@ -1,0 +1,20 @@
+"""The decoder layer's elementwise chains through native kernels on CPU float32 (ecoserve.engine.kernels).
+
+Each replaces 4-9 torch ops, with their Python calls and temporaries, by one pass over the rows:
+RMSNorm, the rotation of q and k (in place, inside the fused qkv output) and SiLU-and-mul. Their
+float operations are torch's in the same order, so rotary and SiLU-mul's products round alike
+(rotary bit-equal); RMSNorm sums its squares in another order (within 2e-6). Anything else (another
+device or dtype, non-contiguous rows, no compiler) runs the torch ops.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def native_for(x: torch.Tensor):
+    """The fused-ops module when x can use it, else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    from ecoserve.engine.kernels import fused_ops
+
+    return fused_ops()

@@ -1,0 +1,73 @@
+"""The native fused elementwise ops against the torch ops they replace (ecoserve/model/fused.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ecoserve.engine.kernels import fused_ops
+from ecoserve.model.layers import GatedMLP, RMSNorm
+from ecoserve.model.rope import apply_rotary
+
+native = fused_ops()
+pytestmark = pytest.mark.skipif(native is None, reason="no native kernels on this machine")
+
+
+def torch_rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_add_rms_norm(rows, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(rows)
+        x, res, w = torch.randn(rows, 576), torch.randn(rows, 576), torch.randn(576)
+        torch.testing.assert_close(native.rms_norm(x, w, 1e-5), torch_rms(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+        total = res + x
+        out = native.add_rms_norm_(x, res, w, 1e-5)  # res += x in place
+        assert torch.equal(res, total)  # the residual sum is exact
+        torch.testing.assert_close(out, torch_rms(total, w, 1e-5), rtol=2e-6, atol=2e-6)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rotary_in_place_on_the_qkv_output_is_bit_equal():
+    """q and k are side by side in each row of the fused qkv output: one in-place pass rotates both
+    with the same bits as the torch ops, and v is untouched."""
+    torch.manual_seed(0)
+    T, H, Hkv, D = 9, 6, 2, 64
+    qkv = torch.randn(T, (H + 2 * Hkv) * D)
+    cos, sin = torch.randn(T, 1, D // 2), torch.randn(T, 1, D // 2)
+    q, k, v = (t.reshape(T, -1, D) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    ref_q, ref_k, v_before = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone()
+    native.rotary_(qkv[:, :(H + Hkv) * D].view(T, -1, D), cos, sin)
+    q, k, v = (t.reshape(T, -1, D) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("rows", [1, 2048])
+def test_silu_and_mul(rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * 1536) * 6  # far into both tails of the sigmoid
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    ref = F.silu(x[:, :1536]) * x[:, 1536:]
+    torch.testing.assert_close(native.silu_and_mul(x), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_layers_take_the_native_path_only_where_it_applies():
+    """float32 CPU rows go native (same values as torch's ops); a non-contiguous input and float64
+    take the torch ops and still agree."""
+    torch.manual_seed(1)
+    norm, mlp = RMSNorm(64, 1e-6), GatedMLP(64, 96, bias=False)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), torch_rms(x, norm.weight, 1e-6), rtol=2e-6, atol=2e-6)
+        gate, up = mlp.gate_up_proj(x).split(96, dim=-1)
+        ref = mlp.down_proj(F.silu(gate) * up)  # SiLU's exponential is within 2e-7: compare at the output's scale
+        torch.testing.assert_close(mlp(x), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+        strided = torch.randn(64, 5).t()
+        torch.testing.assert_close(norm(strided), torch_rms(strided, norm.weight, 1e-6), rtol=2e-6, atol=2e-6)
+        x64 = x.double()
+        torch.testing.assert_close(RMSNorm(64, 1e-6, torch.float64)(x64), torch_rms(x64, torch.ones(64).double(),
+                                                                                    1e-6))
