@@ -87,7 +87,7 @@ def paged_prefill():
 
 
 def fused_ops():
-    """The compiled module with `rms_norm`, `add_rms_norm_`, `rotary_` and `silu_and_mul`, or None."""
+    """The compiled module with `rms_norm`, `rotary_` and `silu_and_mul`, or None."""
     return _load("fused_ops", "torch elementwise ops", exact=True)
 
 

@@ -71,27 +71,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-// residual += x (in place), then rms_norm(residual): the residual add and the next norm in one pass.
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  check_rows(x, weight, "add_rms_norm_");
-  check_rows(residual, weight, "add_rms_norm_");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm_: x and residual differ in shape");
-  auto out = torch::empty_like(x);
-  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      float* h = rp + r * n;
-      const float* xr = xp + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) h[i] = h[i] + xr[i];
-      rms_row(h, wp, op + r * n, n, static_cast<float>(eps));
-    }
-  });
-  return out;
-}
-
 // In place on x [T, H, D] (rows may be strided, e.g. q or k inside the fused qkv output): the
 // half-split rotation (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D/2] (or [T, 1, D/2]).
 torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
@@ -144,7 +123,6 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm_", &add_rms_norm_);
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
 }
