@@ -47,6 +47,8 @@ def test_paged_attention_equals_dense_over_steps(native):
             qs.append(q), ks.append(k), vs.append(v), live.append((s, start, n))
             s["done"] += n
         attn.meta = attn.build_metadata(spans)
+        if native and attn._prefill is not None:  # every prompt chunk goes to the native prefill kernel
+            assert not attn.meta.prefills and (attn.meta.prefill_batch is not None) == any(p for *_, p in spans)
         out = attn(0, torch.cat(qs), torch.cat(ks), torch.cat(vs), scale)
         offset = 0
         for s, start, n in live:
