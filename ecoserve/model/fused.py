@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ecoserve.engine.kernels import fused_ops
+
 
 def native_for(x: torch.Tensor):
-    """The fused-ops module when x can use it, else None."""
+    """The fused-ops module when x can use it (built once, then cached), else None."""
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    from ecoserve.engine.kernels import fused_ops
-
     return fused_ops()

@@ -61,7 +61,7 @@ def test_paged_attention_equals_dense_over_steps(native):
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 @pytest.mark.parametrize("num_seqs", [1, 5])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_decode_kernel_equals_sdpa(head_dim, num_seqs, threads):
+def test_native_decode_kernel_equals_sdpa(head_dim, num_seqs, threads, torch_threads):
     """The SIMD rows (head dims a multiple of the vector width), the plain loops (80), one sequence
     (its kv heads split between tasks) and several of unequal lengths (split between threads by
     length), over blocks scattered through the cache."""
@@ -70,12 +70,8 @@ def test_native_decode_kernel_equals_sdpa(head_dim, num_seqs, threads):
     kernel = paged_decode()
     if kernel is None:
         pytest.skip("no native kernel on this machine")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        _check_native_decode(kernel, head_dim, num_seqs)
-    finally:
-        torch.set_num_threads(before)
+    torch_threads(threads)
+    _check_native_decode(kernel, head_dim, num_seqs)
 
 
 def _check_native_decode(kernel, head_dim, num_seqs):
@@ -97,7 +93,7 @@ def _check_native_decode(kernel, head_dim, num_seqs):
 @pytest.mark.parametrize("head_dim", [8, 64, 80, 128])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (8, 1)], ids=["gqa3", "mha", "mqa"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_prefill_kernel_equals_sdpa(head_dim, heads, threads):
+def test_native_prefill_kernel_equals_sdpa(head_dim, heads, threads, torch_threads):
     """Prompt chunks with and without a cached prefix, one token to several blocks, over blocks
     scattered through the cache: the compiled head dims (64, 80, 128), the generic loop (8), query
     rows of one kv head filling vector lanes across tokens (gqa3, mqa) or not (mha), tasks shared
@@ -107,12 +103,8 @@ def test_native_prefill_kernel_equals_sdpa(head_dim, heads, threads):
     kernel = paged_prefill()
     if kernel is None:
         pytest.skip("no native prefill kernel on this machine")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        _check_native_prefill(kernel, head_dim, *heads)
-    finally:
-        torch.set_num_threads(before)
+    torch_threads(threads)
+    _check_native_prefill(kernel, head_dim, *heads)
 
 
 def _check_native_prefill(kernel, head_dim, hq, hkv):

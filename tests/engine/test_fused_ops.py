@@ -17,15 +17,11 @@ def torch_rms(x, w, eps):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_rms_norm(rows, threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        torch.manual_seed(rows)
-        x, w = torch.randn(rows, 576), torch.randn(576)
-        torch.testing.assert_close(native.rms_norm(x, w, 1e-5), torch_rms(x, w, 1e-5), rtol=2e-6, atol=2e-6)
-    finally:
-        torch.set_num_threads(before)
+def test_rms_norm(rows, threads, torch_threads):
+    torch_threads(threads)
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 576), torch.randn(576)
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), torch_rms(x, w, 1e-5), rtol=2e-6, atol=2e-6)
 
 
 def test_rotary_in_place_on_the_qkv_output_is_bit_equal():

@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with torch.utils.cpp_extension.
 
 Builds are cached under `$ECOSERVE_CACHE` (or `~/.cache/ecoserve`)/kernels, one folder per torch
-version and source file; the source's hash decides whether a rebuild is needed.
+version and source file; ninja rebuilds one when its source or the shared `simd.h` (the vector
+helpers and exponentials the kernels share) changes.
 
 The engine works without them: if the compiler or ninja is missing, or ECOSERVE_NO_NATIVE=1,
 `paged_decode()` and `paged_prefill()` return None and attention falls back to torch SDPA (over

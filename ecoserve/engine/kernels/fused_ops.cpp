@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "simd.h"
 
 // Fused elementwise chains of the decoder layer on CPU, float32: each replaces 4-9 torch ops (and
 // their Python calls and temporaries) by one pass over the rows. The float operations are HF
@@ -17,23 +18,7 @@ namespace {
 // rows per task: small tensors (a batch-1 decode) stay on the calling thread
 inline int64_t grain(int64_t row_floats) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_floats, 1)); }
 
-// exp(x) for x <= 0: Cody-Waite reduction and a degree-6 polynomial (relative error ~2e-7).
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+using namespace ecoserve_simd;
 
 // silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that no exponential overflows.
 inline float silu(float g) {

@@ -1,13 +1,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "simd.h"
 
 // Paged decode attention on CPU: one query token per sequence, reading K/V straight from the
 // paged cache (no gather copy). q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
@@ -22,24 +20,7 @@
 
 namespace {
 
-// exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite reduction and a degree-6
-// polynomial (relative error ~2e-7), branch-free so that the loop calling it vectorizes.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_roundf(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+using namespace ecoserve_simd;
 
 struct Task {
   const float* q;        // nh * G query rows of D floats
@@ -115,32 +96,6 @@ void attend_scalar(const Task& t, float* scores, float* acc) {
   std::copy(acc, acc + t.nh * t.G * t.D, t.out);
 }
 
-#if defined(__AVX512F__)
-#define ECOSERVE_SIMD 1
-using vec = __m512;
-constexpr int W = 16;
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vset1(float x) { return _mm512_set1_ps(x); }
-inline float vsum(vec x) { return _mm512_reduce_add_ps(x); }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define ECOSERVE_SIMD 1
-using vec = __m256;
-constexpr int W = 8;
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vset1(float x) { return _mm256_set1_ps(x); }
-inline float vsum(vec x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 #ifdef ECOSERVE_SIMD
 // NV = D / W vectors per row, a compile-time count so that a row stays in registers.

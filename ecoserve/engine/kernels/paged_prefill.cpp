@@ -1,14 +1,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "simd.h"
 
 // Prompt-chunk (prefill) attention on CPU, reading K/V from the paged cache, flash-attention style.
 // q, out: [T, Hq, D] (the step's flattened tokens; only the spans' rows of out are written; q's heads
@@ -26,111 +24,9 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-#define ECOSERVE_SIMD 1
-using vec = __m512;
-using vmask = __mmask16;
-constexpr int W = 16;
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
-inline vec vset1(float x) { return _mm512_set1_ps(x); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
-inline vmask vle(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
-inline vec vselect(vmask m, vec yes, vec no) { return _mm512_mask_blend_ps(m, no, yes); }
-inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline vec vpow2i(vec n) {  // 2^n for integral n in [-127, 127]
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_castsi512_ps(bits);
-}
-// r[i] = row i of a W x W block -> r[j] = its column j (unpacks, in-lane shuffles, then 128-bit lanes)
-inline void transpose_block(vec* r) {
-  vec t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define ECOSERVE_SIMD 1
-using vec = __m256;
-using vmask = __m256;
-constexpr int W = 8;
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
-inline vec vset1(float x) { return _mm256_set1_ps(x); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
-inline vmask vle(vec a, vec b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
-inline vec vselect(vmask m, vec yes, vec no) { return _mm256_blendv_ps(no, yes, m); }
-inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline vec vpow2i(vec n) {
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_castsi256_ps(bits);
-}
-inline void transpose_block(vec* r) {
-  vec t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
-#endif
+using namespace ecoserve_simd;
 
 #ifdef ECOSERVE_SIMD
-// exp(x) for x <= 0, exactly 0 below -87 (so masked scores of -inf weigh nothing): Cody-Waite
-// reduction and a degree-6 polynomial, relative error ~2e-7.
-inline vec vexp_nonpositive(vec x) {
-  const vec lo = vset1(-87.f);
-  const vec xc = vmax(x, lo);
-  const vec n = vround(vmul(xc, vset1(1.44269504088896341f)));
-  const vec r = vfma(n, vset1(2.12194440e-4f), vfnma(n, vset1(0.693359375f), xc));
-  vec p = vset1(1.f / 720.f);
-  p = vfma(p, r, vset1(1.f / 120.f));
-  p = vfma(p, r, vset1(1.f / 24.f));
-  p = vfma(p, r, vset1(1.f / 6.f));
-  p = vfma(p, r, vset1(0.5f));
-  p = vfma(p, r, vset1(1.f));
-  p = vfma(p, r, vset1(1.f));
-  return vselect(vle(lo, x), vmul(p, vpow2i(n)), vset1(0.f));
-}
-
 struct Span {
   int64_t q_start, q_len, ctx_len;
   const int64_t* table;
