@@ -127,3 +127,24 @@ def _check_native_prefill(kernel, head_dim, hq, hkv):
         ref = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
                                              scale=head_dim ** -0.5, enable_gqa=True)
         torch.testing.assert_close(out[start:start + n], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_native_prefill_kernel_rejects_bad_spans_and_tensors():
+    """A span past q's rows or the block table, a float64 q or a non-contiguous cache: a clear error,
+    and nothing written to out."""
+    from ecoserve.engine.kernels import paged_prefill
+
+    kernel = paged_prefill()
+    if kernel is None:
+        pytest.skip("no native prefill kernel on this machine")
+    k_cache = v_cache = torch.zeros(4, 16, 2, 64)
+    q, out = torch.randn(8, 4, 64), torch.zeros(8, 4, 64)
+    tables = torch.tensor([[0, 1]])
+    for spans, message in [([[0, 9, 9]], "out of range"), ([[0, 4, 40]], "out of range"), ([[0, 5, 4]], "out of range")]:
+        with pytest.raises(RuntimeError, match=message):
+            kernel(q, k_cache, v_cache, out, tables, torch.tensor(spans), 0.125)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernel(q.double(), k_cache, v_cache, out, tables, torch.tensor([[0, 4, 4]]), 0.125)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel(q, k_cache.transpose(0, 1), v_cache, out, tables, torch.tensor([[0, 4, 4]]), 0.125)
+    assert not out.any()

@@ -63,3 +63,14 @@ def test_layers_take_the_native_path_only_where_it_applies():
         x64 = x.double()
         torch.testing.assert_close(RMSNorm(64, 1e-6, torch.float64)(x64), torch_rms(x64, torch.ones(64).double(),
                                                                                     1e-6))
+
+
+def test_fused_ops_reject_mismatched_shapes():
+    with pytest.raises(RuntimeError, match="cos/sin must be"):
+        native.rotary_(torch.randn(3, 2, 8), torch.randn(3, 1, 3), torch.randn(3, 1, 3))
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        native.rotary_(torch.randn(3, 8, 2).transpose(1, 2), torch.randn(3, 1, 4), torch.randn(3, 1, 4))
+    with pytest.raises(RuntimeError, match="the weight must have the rows' length"):
+        native.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        native.silu_and_mul(torch.randn(2, 8).double())
