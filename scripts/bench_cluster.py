@@ -1,4 +1,4 @@
-"""The live cluster benchmark of issue 9: every strategy on the same workload through the same engine.
+"""The live cluster benchmark: every strategy on the same workload through the same engine.
 
 1. Real: for each strategy, `ecoserve serve --strategy S --num-instances 2 --num-threads 1` on the
    embedded SmolLM2 (FuDG strategies with --pd 1:1), loaded by `ecoserve bench serve` in its own

@@ -1,7 +1,7 @@
 """Serving side by side: `ecoserve serve` and `vllm serve`, each measured by our `bench serve` and by
-`vllm bench serve`, in one run (issue 12's serving target).
+`vllm bench serve`, in one run.
 
-    python scripts/bench_serve_peers.py --peer-python /work/venv-vllm/bin/python --out results/serve_peers
+    python scripts/bench_serve_peers.py --peer-python $VLLM_PY --out results/serve_peers
 
 Every server gets the same cores (`--server-cores`, default core 0: one engine thread) and every
 client the others (default core 1), the same model directory (default: the embedded SmolLM2's HF

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CUDA/NCCL check of the parallel engine (issue 10): TP/PP correctness tests on the GPU, then the simulator experiment.
-# Not run yet: no GPU was lent when it was written. Usage: scripts/device_check.sh [OUT_DIR]
+# CUDA/NCCL check of the parallel engine: TP/PP correctness tests on the GPU, then the simulator experiment.
+# Usage: scripts/device_check.sh [OUT_DIR]
 set -euo pipefail
 OUT=${1:-${OUT:-results/device_check}}
 mkdir -p "$OUT"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Profile the engine's prefill, decode and hybrid steps on a GPU and estimate the simulator's
 # step-type costs (StepTypeCosts in ecoserve/sim/perf.py): writes results/profile_steps/steps.csv
-# and step_costs.json. Prepared for a GPU machine; NOT yet run (no GPU was available to issue 8).
+# and step_costs.json. Prepared for a GPU machine; not yet run on one.
 # Usage: scripts/profile_steps.sh MODEL_DIR [device=cuda] [dtype=bfloat16]
 # Then: ecoserve simulate stepcost ... with the measured values, or perf_knobs={"step_costs": {...}}.
 set -euo pipefail
