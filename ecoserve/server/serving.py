@@ -66,15 +66,18 @@ class Job:
     prompts: list[Prompt]
     params: SamplingParams
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
-    finals: list[RequestOutput | None] = field(default_factory=list)  # each prompt's latest output
     created: int = field(default_factory=lambda: int(time.time()))
+    finals: list[RequestOutput | None] = field(init=False)  # each prompt's latest output
+
+    def __post_init__(self) -> None:
+        self.finals = [None] * len(self.prompts)
 
     @classmethod
     async def start(cls, state: ServerState, prefix: str, prompts: list[Prompt], params: SamplingParams,
                     structured_param: str) -> Job:
         """Compile the grammar (a bad one is a 400 naming `structured_param`), then queue every prompt or none."""
         await state.compile_structured(params, structured_param)
-        job = cls(state, f"{prefix}-{uuid.uuid4().hex}", prompts, params, finals=[None] * len(prompts))
+        job = cls(state, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
         try:
             for i, p in enumerate(prompts):
                 job.streams.append(state.engine.generate(job._sub_id(i), p.token_ids, params, p.text))

@@ -18,10 +18,6 @@ from ecoserve.server.tool_parsers import ParsedOutput, ParsedToolCall, ToolParse
 from ecoserve.structured import StructuredOutputsParams
 
 
-def _parameters(tool: ChatTool) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
-
-
 def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
     """Unknown tool types, duplicate names and a tool_choice naming a missing function are 400s."""
     names = set()
@@ -42,32 +38,6 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
 
 def _choice_text(choice: ToolChoice) -> str:
     return repr(choice) if isinstance(choice, str) else f"{{'function': {choice.function.name!r}}}"
-
-
-def tool_call_spec(tools: list[ChatTool], tool_choice: ToolChoice, parallel: bool) -> StructuredOutputsParams:
-    """The JSON the output must be: the named function's arguments, or a list of {name, parameters} calls."""
-    if isinstance(tool_choice, NamedToolChoice):
-        tool = next(t for t in tools if t.function.name == tool_choice.function.name)
-        return StructuredOutputsParams(json=_parameters(tool))
-    one_call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                            "parameters": _parameters(t)},
-                           "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
-    schema: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
-
-
-def _new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _call_dict(call: ParsedToolCall, index: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": _new_call_id(), "type": "function",
-                           "function": {"name": call.name, "arguments": call.arguments}}
-    if index is not None:
-        out["index"] = index
-    return out
 
 
 @dataclass
@@ -187,3 +157,33 @@ class ToolStream:
             return []
         piece, self._sent = text[self._sent:upto], upto
         return [{"content": piece}]
+
+
+def tool_call_spec(tools: list[ChatTool], tool_choice: ToolChoice, parallel: bool) -> StructuredOutputsParams:
+    """The JSON the output must be: the named function's arguments, or a list of {name, parameters} calls."""
+    if isinstance(tool_choice, NamedToolChoice):
+        tool = next(t for t in tools if t.function.name == tool_choice.function.name)
+        return StructuredOutputsParams(json=_parameters(tool))
+    one_call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                            "parameters": _parameters(t)},
+                           "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
+    schema: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_dict(call: ParsedToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": _new_call_id(), "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:
+        out["index"] = index
+    return out
