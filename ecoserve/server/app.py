@@ -13,7 +13,7 @@ from pydantic import BaseModel
 import ecoserve
 from ecoserve.engine.async_engine import AsyncEngine
 from ecoserve.server.auth import install_api_key
-from ecoserve.server.chat import create_chat_completion
+from ecoserve.server.chat import create_chat_completion, encode_chat
 from ecoserve.server.completions import create_completion
 from ecoserve.server.errors import APIError, bad_request, install_error_handlers
 from ecoserve.server.metrics import ServerMetrics
@@ -102,7 +102,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, genera
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = state.encode_chat(body.messages, body.add_generation_prompt).token_ids
+            ids = encode_chat(state.tokenizer, body.messages, body.add_generation_prompt).token_ids
         else:
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}

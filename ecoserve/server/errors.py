@@ -27,15 +27,11 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return error_body(self.status, self.message, self.param, self.code)
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -105,6 +105,32 @@ class _SamplingBody(_Body):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_structure(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The one structured-output constraint the body asks for (at most one way of asking), and its field."""
+        requests = [("response_format", lambda: _response_format_spec(self.response_format)),
+                    ("structured_outputs", lambda: StructuredOutputsParams(**self.structured_outputs)
+                     if self.structured_outputs is not None else None)]
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            requests.append((name, lambda name=name, kind=kind: StructuredOutputsParams(
+                **{kind: getattr(self, name)}) if getattr(self, name) is not None else None))
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        for name, make in requests:
+            try:
+                spec = make()
+            except (TypeError, ValueError) as e:
+                raise bad_request(str(e).replace("StructuredOutputsParams.__init__() ", ""), param=name) from None
+            if spec is not None:
+                asked.append((name, spec))
+        if len(asked) > 1:
+            raise bad_request(f"give at most one structured-output constraint, got {', '.join(n for n, _ in asked)}",
+                              param=asked[1][0])
+        return asked[0][1] if asked else None, asked[0][0] if asked else "response_format"
+
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -127,6 +153,25 @@ class _SamplingBody(_Body):
                 structured_outputs=structured)
         except ValueError as e:
             raise _param_error(e) from None
+
+
+def _response_format_spec(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        inner = response_format.get("json_schema")
+        if not isinstance(inner, dict) or not isinstance(inner.get("schema", {}), dict):
+            raise bad_request("response_format.json_schema must be an object with a `schema` object",
+                              param="response_format")
+        return StructuredOutputsParams(json=inner.get("schema") or {"type": "object"})
+    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                      param="response_format")
 
 
 def _param_error(e: ValueError) -> APIError:

@@ -1,24 +1,45 @@
-"""What completions and chat share: queueing a job, merging its streams, disconnects, SSE, usage."""
+"""The engine and response steps that completions and chat share.
+
+A route turns its request into prompts and SamplingParams; `Job.start` queues them in the engine;
+the route then either awaits the final outputs (`Job.run_to_end`) or turns each output into the
+choices of SSE chunks, which `sse_response` frames and ends with usage, an error and `[DONE]`.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from ecoserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
                                           EngineShutdownError)
 from ecoserve.request import CompletionOutput, Logprobs, RequestOutput
 from ecoserve.sampling import SamplingParams
 from ecoserve.server.errors import APIError, bad_request
+from ecoserve.server.tool_parsers import ToolParser
 
 
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready."""
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None  # None for a prompt given as token ids
+    token_ids: list[int]
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
+    if prompt_len > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+                            f"{prompt_len} tokens", param=param, code="context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
+                            f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, {max_tokens} "
+                            f"for the completion); reduce the prompt or max_tokens", param="max_tokens",
+                       code="context_length_exceeded")
 
 
 def engine_error(e: BaseException) -> APIError:
@@ -37,55 +58,73 @@ def engine_error(e: BaseException) -> APIError:
 
 
 @dataclass
-class Prompt:
-    text: str | None
-    token_ids: list[int]
-
-
-@dataclass
 class Job:
-    """One HTTP request: one engine request per prompt, each with `params.n` samples."""
+    """One HTTP request in the engine: one engine request per prompt, each with `params.n` samples."""
 
+    state: ServerState
     request_id: str
     prompts: list[Prompt]
     params: SamplingParams
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
+    finals: list[RequestOutput | None] = field(init=False)  # each prompt's latest output
 
-    def sub_id(self, i: int) -> str:
+    def __post_init__(self) -> None:
+        self.finals = [None] * len(self.prompts)
+
+    @classmethod
+    async def start(cls, state: ServerState, prefix: str, prompts: list[Prompt], params: SamplingParams,
+                    structured_param: str) -> Job:
+        """Compile the grammar (a bad one is a 400 naming `structured_param`), then queue every prompt or none."""
+        await state.compile_structured(params, structured_param)
+        job = cls(state, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
+        try:
+            for i, p in enumerate(prompts):
+                job.streams.append(state.engine.generate(job._sub_id(i), p.token_ids, params, p.text))
+        except BaseException as e:
+            job.abort()
+            raise engine_error(e) from None
+        return job
+
+    def _sub_id(self, i: int) -> str:
         return f"{self.request_id}-{i}"
 
+    def abort(self) -> None:
+        """Abort every queued request (a no-op for those that finished)."""
+        for i in range(len(self.streams)):
+            self.state.engine.abort(self._sub_id(i))
 
-def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
-    if prompt_len > max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-                            f"{prompt_len} tokens", param=param, code="context_length_exceeded")
-    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
-                            f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, {max_tokens} "
-                            f"for the completion); reduce the prompt or max_tokens", param="max_tokens",
-                       code="context_length_exceeded")
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every prompt's outputs as they come, tagged with the prompt's index."""
+        async with aclosing(_merge(self.streams)) as merged:
+            async for i, out in merged:
+                self.finals[i] = out
+                yield i, out
+
+    async def run_to_end(self, raw: Request) -> list[RequestOutput] | None:
+        """The final outputs, or None if the client left first; the job is aborted either way."""
+        async def collect() -> list[RequestOutput]:
+            async for _ in self.outputs():
+                pass
+            return self.finals  # type: ignore[return-value]
+
+        try:
+            return await _unless_disconnected(raw, collect())
+        except _ClientDisconnected:
+            return None
+        except Exception as e:
+            raise engine_error(e) from None
+        finally:
+            self.abort()
+
+    def usage(self) -> dict[str, int]:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion_tokens = sum(len(c.token_ids) for o in self.finals if o is not None for c in o.outputs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
 
-def start_job(engine: AsyncEngine, prefix: str, prompts: list[Prompt], params: SamplingParams) -> Job:
-    """Queue every prompt, or none: on an error the ones already queued are aborted."""
-    job = Job(f"{prefix}-{uuid.uuid4().hex}", prompts, params)
-    try:
-        for i, p in enumerate(prompts):
-            job.streams.append(engine.generate(job.sub_id(i), p.token_ids, params, p.text))
-    except BaseException as e:
-        for i in range(len(job.streams)):
-            engine.abort(job.sub_id(i))
-        raise engine_error(e) from None
-    return job
-
-
-def abort_job(engine: AsyncEngine, job: Job) -> None:
-    for i in range(len(job.streams)):
-        engine.abort(job.sub_id(i))  # a no-op for requests that finished
-
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -119,20 +158,24 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
             t.cancel()
 
 
+class _ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
 async def _wait_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
 
 
-async def unless_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
-    """Run `work` (a coroutine); if the client disconnects first, cancel it and raise ClientDisconnected."""
+async def _unless_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
+    """Run `work` (a coroutine); if the client disconnects first, cancel it and raise _ClientDisconnected."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        raise ClientDisconnected()
+        raise _ClientDisconnected()
     finally:
         watcher.cancel()
         if not task.done():
@@ -141,33 +184,6 @@ async def unless_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
                 await task
             except BaseException:
                 pass
-
-
-async def collect(job: Job) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(job.streams)
-    async for i, out in merge(job.streams):
-        finals[i] = out
-    return finals  # type: ignore[return-value]
-
-
-async def run_to_end(state: "ServerState", raw: Request, job: Job) -> list[RequestOutput]:
-    """The final outputs of a non-streaming job; ClientDisconnected if the client left (the job is aborted)."""
-    try:
-        return await unless_disconnected(raw, collect(job))
-    except ClientDisconnected:
-        raise
-    except Exception as e:
-        raise engine_error(e) from None
-    finally:
-        abort_job(state.engine, job)
-
-
-@dataclass
-class _Unsent:
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs] = field(default_factory=list)
-    started: bool = False
-    closed: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,41 +197,60 @@ class ChoiceDelta:
     closing: bool  # the choice's last chunk (finish_reason set)
 
 
-class DeltaStreams:
-    """Turns engine deltas into SSE chunks per choice: tokens whose text the detokenizer still holds
-    back (a possible stop string, a partial character) wait and go out with the text they make."""
+class ChoiceDeltas:
+    """One choice's engine deltas as chunks to send: tokens whose text the detokenizer still holds back
+    (a possible stop string, a partial character) wait and go out with the text they make."""
 
     def __init__(self) -> None:
-        self._choices: dict[int, _Unsent] = {}
+        self._token_ids: list[int] = []
+        self._logprobs: list[Logprobs] = []
+        self._started = False
+        self._closed = False
 
-    def take(self, index: int, c: CompletionOutput, force_first: bool = False) -> ChoiceDelta | None:
-        """The chunk to send for choice `index` now, or None while there is nothing to show."""
-        st = self._choices.setdefault(index, _Unsent())
-        st.token_ids.extend(c.new_token_ids)
+    def take(self, c: CompletionOutput, force_first: bool = False) -> ChoiceDelta | None:
+        """The chunk to send now, or None while there is nothing to show."""
+        self._token_ids.extend(c.new_token_ids)
         if c.new_logprobs:
-            st.logprobs.extend(c.new_logprobs)
-        closing = c.finished and not st.closed
-        first = not st.started
+            self._logprobs.extend(c.new_logprobs)
+        closing = c.finished and not self._closed
+        first = not self._started
         if not (c.new_text or closing or (first and force_first)):
             return None
-        delta = ChoiceDelta(c.new_text, st.token_ids, st.logprobs, first, closing)
-        st.token_ids, st.logprobs, st.started, st.closed = [], [], True, st.closed or closing
+        delta = ChoiceDelta(c.new_text, self._token_ids, self._logprobs, first, closing)
+        self._token_ids, self._logprobs, self._started = [], [], True
+        self._closed = self._closed or closing
         return delta
 
-
-def usage(prompts: list[Prompt], outputs: list[RequestOutput | None]) -> dict[str, int]:
-    prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    completion_tokens = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    def hold(self, delta: ChoiceDelta) -> None:
+        """The caller could not show `delta` yet (its text is held further on): its tokens go out with the next."""
+        self._token_ids = delta.token_ids + self._token_ids
+        self._logprobs = delta.logprobs + self._logprobs
 
 
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse_response(job: Job, obj: str, chunks: AsyncIterator[list[dict[str, Any]]],
+                 include_usage: bool) -> StreamingResponse:
+    """`chunks` (each the choices of one event) as SSE, then the usage (if asked), an error, `[DONE]`."""
+    head = {"id": job.request_id, "object": obj, "created": job.created, "model": job.state.model_name}
+    return StreamingResponse(_sse_events(job, head, chunks, include_usage), media_type="text/event-stream")
 
 
-def sse_error(e: BaseException) -> str:
-    return sse(engine_error(e).body())
+async def _sse_events(job: Job, head: dict[str, Any], chunks: AsyncIterator[list[dict[str, Any]]],
+                      include_usage: bool) -> AsyncIterator[str]:
+    try:
+        async with aclosing(chunks):
+            async for choices in chunks:
+                yield _sse({**head, "choices": choices})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": job.usage()})
+    except Exception as e:
+        yield _sse(engine_error(e).body())
+    finally:
+        job.abort()
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 class TokenText:
@@ -232,11 +267,6 @@ class TokenText:
         return text
 
 
-def top_entries(logprobs: dict[int, float], num: int) -> list[tuple[int, float]]:
-    """The `num` most likely tokens of one position (the sampled one is added to the dict by the engine)."""
-    return sorted(logprobs.items(), key=lambda kv: -kv[1])[:num]
-
-
 @dataclass
 class ServerState:
     """What every route needs: the engine, the served name, metrics."""
@@ -244,7 +274,7 @@ class ServerState:
     engine: AsyncEngine
     model_name: str
     metrics: Any = None
-    tool_parser: Any = None  # a ToolParser for tool_choice "auto" (--tool-call-parser), or None
+    tool_parser: ToolParser | None = None  # reads tool_choice "auto" calls (--tool-call-parser)
     use_generation_config: bool = True  # unset sampling fields take the model's generation_config.json
     token_text: TokenText = field(init=False)
 
@@ -281,42 +311,3 @@ class ServerState:
         if name not in (None, "", self.model_name):
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
-
-    def encode_chat(self, messages: list[Any], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list[dict] | None = None) -> Prompt:
-        """Apply the tokenizer's chat template (with the tools, when given); its special tokens are not added twice."""
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        conversation = [template_message(m) for m in messages]
-        try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message, tools=tools)
-        except Exception as e:  # template errors (e.g. roles that must alternate) are the client's to fix
-            raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
-        return Prompt(text, tok.encode(text, add_special_tokens=False))
-
-
-def template_message(message: Any) -> dict[str, Any]:
-    """One chat message as templates expect it: tool-call arguments as objects, tool results with their call id."""
-    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                           "content": message.text()}
-    if message.name is not None:
-        out["name"] = message.name
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    if message.tool_calls:
-        calls = []
-        for call in message.tool_calls:
-            call = dict(call)
-            function = dict(call.get("function") or {})
-            if isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except json.JSONDecodeError:
-                    raise bad_request(f"tool call {call.get('id')!r}: arguments are not valid JSON",
-                                      param="messages") from None
-            call["function"] = function
-            calls.append(call)
-        out["tool_calls"] = calls
-    return out

@@ -1,5 +1,5 @@
-"""Structured outputs and tools on the OpenAI API: request fields -> a StructuredOutputsParams,
-and model text -> `tool_calls` (whole, or as streamed deltas).
+"""Tools on the chat API: `tool_choice` -> how the output is constrained and read, and model text ->
+`tool_calls` (whole, or as streamed deltas).
 
 `tool_choice` "required" and a named function constrain the output with a JSON schema built from
 the tools' parameter schemas, so the call always parses; "auto" leaves the text free and reads
@@ -13,55 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ecoserve.server.errors import bad_request
-from ecoserve.server.protocol import ChatTool, NamedToolChoice, ToolChoice, _SamplingBody
+from ecoserve.server.protocol import ChatTool, NamedToolChoice, ToolChoice
 from ecoserve.server.tool_parsers import ParsedOutput, ParsedToolCall, ToolParser
 from ecoserve.structured import StructuredOutputsParams
-
-
-def response_format_spec(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
-    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
-    if not response_format:
-        return None
-    kind = response_format.get("type")
-    if kind in (None, "text"):
-        return None
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind == "json_schema":
-        inner = response_format.get("json_schema")
-        if not isinstance(inner, dict) or not isinstance(inner.get("schema", {}), dict):
-            raise bad_request("response_format.json_schema must be an object with a `schema` object",
-                              param="response_format")
-        return StructuredOutputsParams(json=inner.get("schema") or {"type": "object"})
-    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                      param="response_format")
-
-
-def requested_structure(body: _SamplingBody) -> tuple[StructuredOutputsParams | None, str]:
-    """The one structured-output constraint a body asks for (at most one way of asking), and its field."""
-    requests = [("response_format", lambda: response_format_spec(body.response_format)),
-                ("structured_outputs", lambda: StructuredOutputsParams(**body.structured_outputs)
-                 if body.structured_outputs is not None else None)]
-    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                       ("guided_grammar", "grammar")):
-        requests.append((name, lambda name=name, kind=kind: StructuredOutputsParams(
-            **{kind: getattr(body, name)}) if getattr(body, name) is not None else None))
-    asked: list[tuple[str, StructuredOutputsParams]] = []
-    for name, make in requests:
-        try:
-            spec = make()
-        except (TypeError, ValueError) as e:
-            raise bad_request(str(e).replace("StructuredOutputsParams.__init__() ", ""), param=name) from None
-        if spec is not None:
-            asked.append((name, spec))
-    if len(asked) > 1:
-        raise bad_request(f"give at most one structured-output constraint, got {', '.join(n for n, _ in asked)}",
-                          param=asked[1][0])
-    return asked[0][1] if asked else None, asked[0][0] if asked else "response_format"
-
-
-def _parameters(tool: ChatTool) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
 
 
 def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
@@ -84,32 +38,6 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
 
 def _choice_text(choice: ToolChoice) -> str:
     return repr(choice) if isinstance(choice, str) else f"{{'function': {choice.function.name!r}}}"
-
-
-def tool_call_spec(tools: list[ChatTool], tool_choice: ToolChoice, parallel: bool) -> StructuredOutputsParams:
-    """The JSON the output must be: the named function's arguments, or a list of {name, parameters} calls."""
-    if isinstance(tool_choice, NamedToolChoice):
-        tool = next(t for t in tools if t.function.name == tool_choice.function.name)
-        return StructuredOutputsParams(json=_parameters(tool))
-    one_call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                            "parameters": _parameters(t)},
-                           "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
-    schema: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return StructuredOutputsParams(json=schema)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def call_dict(call: ParsedToolCall, index: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": new_call_id(), "type": "function",
-                           "function": {"name": call.name, "arguments": call.arguments}}
-    if index is not None:
-        out["index"] = index
-    return out
 
 
 @dataclass
@@ -135,6 +63,22 @@ class ToolCalling:
                               param="tool_choice")
         return cls("auto", parser=parser)
 
+    def constraint(self, requested: tuple[StructuredOutputsParams | None, str], tools: list[ChatTool] | None,
+                   tool_choice: ToolChoice | None, parallel: bool) -> tuple[StructuredOutputsParams | None, str]:
+        """The output's constraint and the field it came from: the call's JSON schema for "named" and "required",
+        else what the request asked for."""
+        structured, param = requested
+        if self.mode not in ("named", "required"):
+            return structured, param
+        if structured is not None:
+            raise bad_request("a structured-output constraint cannot be combined with tool_choice "
+                              f"{self.mode!r}: the tool call decides the output's shape", param="tool_choice")
+        return tool_call_spec(tools, tool_choice, parallel), "tools"
+
+    def template_tools(self, tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model: none when the output is plain text."""
+        return [t.model_dump(exclude_none=True) for t in tools] if self.mode != "text" else None
+
     def parse(self, text: str) -> ParsedOutput:
         if self.mode == "text":
             return ParsedOutput(text, [])
@@ -154,10 +98,12 @@ class ToolCalling:
         parsed = self.parse(text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
-            message["tool_calls"] = [call_dict(c) for c in parsed.tool_calls]
-            if self.mode != "named" and finish_reason == "stop":
-                finish_reason = "tool_calls"
-        return message, finish_reason
+            message["tool_calls"] = [_call_dict(c) for c in parsed.tool_calls]
+        return message, self.finish_reason(bool(parsed.tool_calls), finish_reason)
+
+    def finish_reason(self, called: bool, finish_reason: str | None) -> str | None:
+        """"tool_calls" for an output that stopped after calling tools; a named call keeps "stop", as in OpenAI."""
+        return "tool_calls" if called and self.mode != "named" and finish_reason == "stop" else finish_reason
 
 
 @dataclass
@@ -183,7 +129,7 @@ class ToolStream:
             out = []
             if not self._opened:
                 self._opened = True
-                out.append({"tool_calls": [{"index": 0, "id": new_call_id(), "type": "function",
+                out.append({"tool_calls": [{"index": 0, "id": _new_call_id(), "type": "function",
                                             "function": {"name": self.calling.function, "arguments": ""}}]})
             if new_text:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]})
@@ -203,7 +149,7 @@ class ToolStream:
         start = self.calling.parser.tool_start(text) if mode == "auto" else 0
         out = self._content(text, start) if text[self._sent:start].strip() else []
         self.finished_with_calls = True
-        out.extend({"tool_calls": [call_dict(c, i)]} for i, c in enumerate(parsed.tool_calls))
+        out.extend({"tool_calls": [_call_dict(c, i)]} for i, c in enumerate(parsed.tool_calls))
         return out
 
     def _content(self, text: str, upto: int) -> list[dict[str, Any]]:
@@ -211,3 +157,33 @@ class ToolStream:
             return []
         piece, self._sent = text[self._sent:upto], upto
         return [{"content": piece}]
+
+
+def tool_call_spec(tools: list[ChatTool], tool_choice: ToolChoice, parallel: bool) -> StructuredOutputsParams:
+    """The JSON the output must be: the named function's arguments, or a list of {name, parameters} calls."""
+    if isinstance(tool_choice, NamedToolChoice):
+        tool = next(t for t in tools if t.function.name == tool_choice.function.name)
+        return StructuredOutputsParams(json=_parameters(tool))
+    one_call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                            "parameters": _parameters(t)},
+                           "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
+    schema: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_dict(call: ParsedToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": _new_call_id(), "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:
+        out["index"] = index
+    return out

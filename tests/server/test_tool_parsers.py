@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ecoserve.server.errors import APIError
-from ecoserve.server.serving import template_message
+from ecoserve.server.chat import template_message
 from ecoserve.server.tool_parsers import TOOL_PARSERS, get_tool_parser
 from ecoserve.server.protocol import ChatMessage, ChatTool, NamedToolChoice
 from ecoserve.server.tools import ToolCalling, ToolStream, tool_call_spec
