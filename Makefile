@@ -25,7 +25,9 @@ run: $(STAMP)
 chat: $(STAMP)
 	$(VENV)/bin/ecoserve generate --chat --prompt "What is the capital of France?" --max-tokens 48
 
+# The import contracts in pyproject.toml (floors, independent rooms, no cycles) before the tests.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
