@@ -37,6 +37,7 @@ _ISA_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "adx", "abm"
                  "aes", "vaes", "pclmul", "vpclmul", "gfni", "sha", "neon", "asimd", "sve", "fp", "i8mm", "bf16")
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (x86 `flags`, Arm `Features`); empty elsewhere."""
     try:
