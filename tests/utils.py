@@ -208,6 +208,17 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
+class DenseCausalAttention:
+    """Test backend: all tokens of the step are one sequence starting at position 0; no KV cache."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(0, 1)
+
+
 class PerSequenceAttention:
     """Test backend for a flattened batch of whole sequences: causal attention within each one, no cache."""
 
@@ -216,8 +227,6 @@ class PerSequenceAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
-        from ecoserve.model.attention import DenseCausalAttention
-
         dense = DenseCausalAttention()
         return torch.cat([dense(layer_idx, qs, ks, vs, scale) for qs, ks, vs in
                           zip(q.split(self.seq_lens), k.split(self.seq_lens), v.split(self.seq_lens))])
@@ -225,8 +234,6 @@ class PerSequenceAttention:
 
 def dense_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """ecoserve model, greedy, recomputing the whole sequence each token (no KV cache): a cache-free reference."""
-    from ecoserve.model.attention import DenseCausalAttention
-
     ids, out = list(prompt_ids), []
     with torch.no_grad():
         for _ in range(max_new_tokens):

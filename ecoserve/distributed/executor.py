@@ -213,7 +213,3 @@ class MultiprocExecutor:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]

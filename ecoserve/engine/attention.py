@@ -4,7 +4,7 @@ Per step the runner builds one `AttentionMetadata` (slot mapping, per-request ga
 each layer writes its new K/V into the slots first and then attends, so a request may read KV
 written by another request earlier in the same step (prefix-cache hits on blocks in flight).
 Decodes (one query token) run in one call of a native kernel that reads K/V straight from the
-blocks (ecoserve.engine.kernels), or, without it, as batched SDPA over padded block gathers;
+blocks (ecoserve.kernels), or, without it, as batched SDPA over padded block gathers;
 prompt chunks attend causally, offset by the cached prefix: all of a step's in one call of the
 native prefill kernel (reading the blocks too), or per request with SDPA.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ecoserve.engine.attention_metadata import AttentionMetadata, Span, build_metadata
-from ecoserve.engine.kernels import paged_decode, paged_prefill
+from ecoserve.kernels import paged_decode, paged_prefill
 from ecoserve.engine.kv_cache import PagedKVCache
 
 

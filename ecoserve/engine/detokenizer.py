@@ -3,9 +3,9 @@
 Each new token is decoded together with the few tokens before it (a window from
 `prefix_offset`), so that tokenizers whose pieces depend on their neighbours (leading spaces,
 byte-level merges) decode as they would in the full text; the window grows only while its
-text ends in an unfinished UTF-8 character, so a token costs O(1) decoding work. Text is kept
-as released pieces plus a short pending tail (what may still start a stop string), so a token
-also costs O(1) string work however long the output grows.
+text ends in an unfinished UTF-8 character, so a token costs O(1) decoding work. Only a short
+pending tail (what may still start a stop string) is kept; released text belongs to the caller,
+so a token also costs O(1) string work however long the output grows.
 """
 from __future__ import annotations
 
@@ -36,17 +36,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._pending = ""  # decoded, not yet released: the only text a stop string can still cut
-        self._released: list[str] = []
-        self._released_text = ""  # the released pieces joined, built on demand
-        self._num_joined = 0
         self._flushed = False
         self._num_tokens = 0
         self.stop_reason: str | None = None  # the stop string that ended the text, if any
-
-    @property
-    def output_text(self) -> str:
-        """All text decoded so far (cut at a matched stop string), including held-back text."""
-        return self._joined() + self._pending
 
     @property
     def finished(self) -> bool:
@@ -80,14 +72,7 @@ class IncrementalDetokenizer:
             return ""
         keep = 0 if final or self.stop_reason is not None or not self.stop else self._held_back()
         new, self._pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
-        if new:
-            self._released.append(new)
         return new
-
-    def text_so_far(self, final: bool = False) -> str:
-        """All text released so far (see `take_new_text`); O(length), for callers that want it whole."""
-        self.take_new_text(final)
-        return self._joined()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -143,9 +128,3 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self.stop):
                 return n
         return 0
-
-    def _joined(self) -> str:
-        if self._num_joined < len(self._released):
-            self._released_text += "".join(self._released[self._num_joined:])
-            self._num_joined = len(self._released)
-        return self._released_text

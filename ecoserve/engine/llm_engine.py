@@ -108,7 +108,6 @@ class LLMEngine:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at max_model_len %d: "
                     "%.2fx", num_blocks, block_size, capacity, capacity * per_token / 2**20, self.max_model_len,
                     capacity / self.max_model_len)
-        self.num_kv_blocks = num_blocks
         sched_config = config.scheduler
         if sched_config.tdpipe.num_stages is None and parallel.pipeline_parallel_size > 1:  # tdpipe: the real stages
             sched_config = replace(sched_config, tdpipe=replace(sched_config.tdpipe,

@@ -1,4 +1,4 @@
-"""The decoder layer's elementwise chains through native kernels on CPU float32 (ecoserve.engine.kernels).
+"""The decoder layer's elementwise chains through native kernels on CPU float32 (ecoserve.kernels).
 
 Each replaces 4-9 torch ops, with their Python calls and temporaries, by one pass over the rows:
 RMSNorm, the rotation of q and k (in place, inside the fused qkv output) and SiLU-and-mul. Their
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ecoserve.engine.kernels import fused_ops
+from ecoserve.kernels import fused_ops
 
 
 def native_for(x: torch.Tensor):

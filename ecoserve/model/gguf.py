@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ecoserve.cache_dir import cache_root
 from ecoserve.model.spec import ModelLoadError, supported_list
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -212,14 +213,6 @@ def _convert_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     except Exception as e:
         raise ModelLoadError(f"could not build a tokenizer from GGUF file {gguf_path}: {e}") from None
     tok.save_pretrained(out_dir)
-
-
-def cache_root() -> Path:
-    """$ECOSERVE_CACHE, else $XDG_CACHE_HOME/ecoserve, else ~/.cache/ecoserve."""
-    if os.environ.get("ECOSERVE_CACHE"):
-        return Path(os.environ["ECOSERVE_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ecoserve"
 
 
 def cached_conversion(gguf_path: str | Path, generation_defaults: dict | None = None) -> Path:

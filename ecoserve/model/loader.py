@@ -214,7 +214,7 @@ def load_model_info(model: str | None, *, revision: str | None = None, tokenizer
     spec = ModelSpec.from_dir(path)
     tok = None if skip_tokenizer_init else load_tokenizer(tokenizer or path, revision if tokenizer else None)
     generation = _read_json(path / "generation_config.json")
-    eos = _ids(spec.raw.get("eos_token_id")) | _ids(generation.get("eos_token_id"))
+    eos = set(spec.eos_token_ids) | _ids(generation.get("eos_token_id"))
     if tok is not None:
         eos |= _ids(tok.eos_token_id)
     defaults = {k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None}

@@ -37,7 +37,7 @@ MAX_KERNEL_ROWS = 16
 
 @functools.lru_cache(maxsize=1)
 def _native():
-    from ecoserve.engine.kernels import quant_matmul
+    from ecoserve.kernels import quant_matmul
 
     return quant_matmul()
 

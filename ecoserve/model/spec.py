@@ -55,7 +55,6 @@ class ModelSpec:
     # stays within the window (Mistral v0.1 and Qwen with use_sliding_window differ beyond it).
     sliding_window: int | None = None
     torch_dtype: str | None = None
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -109,7 +108,7 @@ class ModelSpec:
         else:
             window = config.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
         eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch, hidden_size=hidden, num_layers=get_int("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -122,7 +121,7 @@ class ModelSpec:
             mlp_bias=bool(config.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM", sliding_window=window,
             torch_dtype=config.get("dtype") or config.get("torch_dtype"),
-            bos_token_id=config.get("bos_token_id"), eos_token_ids=eos_ids, raw=config)
+            eos_token_ids=eos_ids, raw=config)
 
 
 def _architecture(config: dict[str, Any], source: str) -> str:

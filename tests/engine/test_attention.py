@@ -65,7 +65,7 @@ def test_native_decode_kernel_equals_sdpa(head_dim, num_seqs, threads, torch_thr
     """The SIMD rows (head dims a multiple of the vector width), the plain loops (80), one sequence
     (its kv heads split between tasks) and several of unequal lengths (split between threads by
     length), over blocks scattered through the cache."""
-    from ecoserve.engine.kernels import paged_decode
+    from ecoserve.kernels import paged_decode
 
     kernel = paged_decode()
     if kernel is None:
@@ -98,7 +98,7 @@ def test_native_prefill_kernel_equals_sdpa(head_dim, heads, threads, torch_threa
     scattered through the cache: the compiled head dims (64, 80, 128), the generic loop (8), query
     rows of one kv head filling vector lanes across tokens (gqa3, mqa) or not (mha), tasks shared
     by two threads, q read in place from a wider qkv row."""
-    from ecoserve.engine.kernels import paged_prefill
+    from ecoserve.kernels import paged_prefill
 
     kernel = paged_prefill()
     if kernel is None:
@@ -132,7 +132,7 @@ def _check_native_prefill(kernel, head_dim, hq, hkv):
 def test_native_prefill_kernel_rejects_bad_spans_and_tensors():
     """A span past q's rows or the block table, a float64 q or a non-contiguous cache: a clear error,
     and nothing written to out."""
-    from ecoserve.engine.kernels import paged_prefill
+    from ecoserve.kernels import paged_prefill
 
     kernel = paged_prefill()
     if kernel is None:

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ecoserve.engine.kernels import fused_ops
+from ecoserve.kernels import fused_ops
 from ecoserve.model.layers import GatedMLP, RMSNorm
 from ecoserve.model.rope import apply_rotary
 

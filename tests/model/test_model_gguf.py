@@ -46,7 +46,7 @@ def test_tiny_gguf_roundtrip_matches_hf(tiny_gguf, tmp_path):
     assert loaded.tokenizer.chat_template and loaded.eos_token_ids == frozenset({2})
     ids = prompts(1, seed=4)[0]
     with torch.no_grad():
-        from ecoserve.model.attention import DenseCausalAttention
+        from tests.utils import DenseCausalAttention
         ours = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)),
                                                         DenseCausalAttention()))
     assert (ours - hf_logits(ckpt, ids)).abs().max().item() < 1e-4

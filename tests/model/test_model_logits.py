@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ecoserve.model.attention import DenseCausalAttention
 from ecoserve.model.loader import load_model
-from tests.utils import (PerSequenceAttention, dense_greedy, hf_greedy, hf_logits, make_tiny_checkpoint,
-                         prompts)
+from tests.utils import (DenseCausalAttention, PerSequenceAttention, dense_greedy, hf_greedy, hf_logits,
+                         make_tiny_checkpoint, prompts)
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 ATOL = 1e-4

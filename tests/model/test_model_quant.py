@@ -12,10 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 
 from ecoserve.model import quant
-from ecoserve.model.attention import DenseCausalAttention
 from ecoserve.model.loader import load_model
 from ecoserve.model.quant import QuantEmbedding, QuantLinear
-from tests.utils import make_tiny_checkpoint, make_tiny_gguf, prompts
+from tests.utils import DenseCausalAttention, make_tiny_checkpoint, make_tiny_gguf, prompts
 
 LOGIT_TOL = 5e-2  # of the largest |logit|
 SMOLLM2_LOGIT_TOL = 0.12

@@ -5,10 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ecoserve.model.attention import DenseCausalAttention
 from ecoserve.model.loader import load_model
 from ecoserve.model.packed import PackedLinear, onednn_available
-from tests.utils import dense_greedy, make_tiny_checkpoint, prompts
+from tests.utils import DenseCausalAttention, dense_greedy, make_tiny_checkpoint, prompts
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 

@@ -1,5 +1,7 @@
 // The native kernels' vector layer: one set of names over AVX-512 (W = 16 floats) or AVX2 + FMA
-// (W = 8), with ECOSERVE_SIMD defined where either is compiled in, and the exponentials they share.
+// (W = 8), with ECOSERVE_SIMD defined where either is compiled in, and the exponentials they share;
+// then the 32-byte integer dot products of the quantized matmul (ECOSERVE_SIMD_INT8: AVX2 + FMA, with
+// VNNI where the compiler targets it), which AVX-512 builds use too since a GGUF block is 32 bytes.
 // Included by one translation unit per extension; ninja's depfile rebuilds each on a change here.
 #pragma once
 
@@ -11,6 +13,28 @@
 #include <cstring>
 
 namespace ecoserve_simd {
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define ECOSERVE_SIMD_INT8 1
+// the sum of an 8-float register's lanes
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Sum over the 32 lanes of u * s (u unsigned bytes, s signed bytes) as 8 int32 lanes.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
 
 // exp(x) for x <= 0 (a softmax after subtracting the max, a sigmoid from exp(-|x|)): Cody-Waite
 // reduction and a degree-6 polynomial (relative error ~2e-7), branch-free, so that a loop calling it
@@ -91,12 +115,7 @@ inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
-inline float vsum(vec x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float vsum(vec x) { return hsum8(x); }
 inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }

@@ -1,8 +1,10 @@
 """Native CPU kernels, compiled on first use with torch.utils.cpp_extension.
 
 Builds are cached under `$ECOSERVE_CACHE` (or `~/.cache/ecoserve`)/kernels, one folder per torch
-version and source file; ninja rebuilds one when its source or the shared `simd.h` (the vector
-helpers and exponentials the kernels share) changes.
+version, instruction set and source file: they use `-march=native`, so a cache shared by machines
+of different CPUs (a home directory on Ray nodes) must not hand one a binary built for another.
+Ninja rebuilds a kernel when its source or the shared `simd.h` (the vector helpers and
+exponentials the kernels share) changes.
 
 The engine works without them: if the compiler or ninja is missing, or ECOSERVE_NO_NATIVE=1,
 `paged_decode()` and `paged_prefill()` return None and attention falls back to torch SDPA (over
@@ -12,11 +14,15 @@ ops, and `quant_matmul()` returns None and quantized layers dequantize with torc
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import time
 from pathlib import Path
+
+from ecoserve.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +30,49 @@ logger = logging.getLogger(__name__)
 _STALE_LOCK_S = 300  # a build holding its lock longer than this was killed: torch would wait forever
 
 
+# the features that name a build; the digest of every instruction-set flag tells the rest apart
+_NAMED_FEATURES = {"avx512_bf16": "bf16", "avx512_vnni": "vnni", "avx_vnni": "avxvnni", "avx512_fp16": "fp16",
+                   "amx_tile": "amx"}
+_ISA_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "adx", "abm", "lzcnt", "popcnt", "movbe",
+                 "aes", "vaes", "pclmul", "vpclmul", "gfni", "sha", "neon", "asimd", "sve", "fp", "i8mm", "bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (x86 `flags`, Arm `Features`); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def isa_tag() -> str:
+    """A short name of the instruction set a `-march=native` build targets here, e.g.
+    `avx512-bf16-vnni-1a2b3c4d`: the vector width, the features the kernels use by name, and a
+    digest of every instruction-set flag (the compiler may use any of them)."""
+    flags = cpu_flags()
+    if not flags:  # no /proc/cpuinfo: torch's view of the vector unit is the best there is
+        import torch
+
+        return f"{platform.machine().lower()}-{torch.backends.cpu.get_cpu_capability().lower()}"
+    width = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine().lower()
+    named = [name for flag, name in _NAMED_FEATURES.items() if flag in flags]
+    isa = sorted(f for f in flags if f.startswith(_ISA_PREFIXES))
+    digest = hashlib.sha1(" ".join(isa).encode()).hexdigest()[:8]
+    return "-".join([width, *named, digest])
+
+
 def _build_dir(source: str = "") -> Path:
-    """One folder per torch version and kernel source: ninja files of two extensions must not mix."""
+    """One folder per torch version, instruction set and kernel source: ninja files of two extensions
+    must not mix, and a binary built for one CPU must not load on another."""
     import torch
 
-    from ecoserve.model.gguf import cache_root
-
-    path = cache_root() / "kernels" / f"torch-{torch.__version__}" / source
+    path = cache_root() / "kernels" / f"torch-{torch.__version__}" / isa_tag() / source
     path.mkdir(parents=True, exist_ok=True)
     lock = path / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:

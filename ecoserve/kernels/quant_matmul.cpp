@@ -5,9 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 // Weight-only quantized linear layers on CPU, reading GGUF blocks as stored (no float copy).
 // A weight is [N, K / 32 * block_bytes] uint8: each row holds K / 32 blocks of 32 weights.
@@ -25,11 +24,14 @@ namespace {
 
 constexpr int64_t QK = 32;
 
+template <int64_t QT>
+constexpr int64_t kBlockBytes = QT == 2 ? 18 : QT == 3 ? 20 : 34;
+
 int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
-    case 2: return 18;
-    case 3: return 20;
-    case 8: return 34;
+    case 2: return kBlockBytes<2>;
+    case 3: return kBlockBytes<3>;
+    case 8: return kBlockBytes<8>;
   }
   TORCH_CHECK(false, "quant_matmul: unsupported GGML type ", qtype, " (supported: 2 Q4_0, 3 Q4_1, 8 Q8_0)");
 }
@@ -65,7 +67,10 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-#if defined(__AVX2__)
+#ifdef ECOSERVE_SIMD_INT8
+using ecoserve_simd::dot_u8s8;
+using ecoserve_simd::hsum8;
+
 // 32 weights of a block as signed bytes: q - 8 (Q4_0, Q4_1) or q (Q8_0).
 template <int64_t QT>
 inline __m256i load_weights(const uint8_t* blk) {
@@ -79,30 +84,12 @@ inline __m256i load_weights(const uint8_t* blk) {
   }
 }
 
-// Sum over the 32 lanes of u * s (u unsigned bytes, s signed bytes) as 8 int32 lanes.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Output row n against activation rows [m0, m0 + MR): out[m * N + n]. MR is a compile-time tile so
 // the accumulators stay in registers; two per row (even and odd blocks) hide the FMA latency.
 template <int64_t QT, int64_t MR>
 inline void dot_tile(const uint8_t* row, int64_t nb, const QuantizedRows& xr, int64_t m0, int64_t K, float* out,
                      int64_t N, int64_t n) {
-  constexpr int64_t bb = QT == 2 ? 18 : QT == 3 ? 20 : 34;
+  constexpr int64_t bb = kBlockBytes<QT>;
   __m256 acc[2][MR];
   float offset[MR];
   for (int64_t m = 0; m < MR; ++m) { acc[0][m] = acc[1][m] = _mm256_setzero_ps(); offset[m] = 0.f; }
@@ -122,7 +109,7 @@ inline void dot_tile(const uint8_t* row, int64_t nb, const QuantizedRows& xr, in
       if constexpr (QT == 3) offset[m] += offset_w * xr.sum[i];
     }
   }
-  for (int64_t m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + offset[m];
+  for (int64_t m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + offset[m];
 }
 
 // Output rows [n0, n1) against M activation rows: out[m * N + n]; each weight row is loaded from
@@ -145,7 +132,7 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64
 template <int64_t QT>
 void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t nb, const QuantizedRows& xr,
               int64_t M, int64_t K, float* out, int64_t N) {
-  constexpr int64_t bb = QT == 2 ? 18 : QT == 3 ? 20 : 34;
+  constexpr int64_t bb = kBlockBytes<QT>;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
