@@ -28,9 +28,6 @@ class EventLoop:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def peek_time(self) -> float | None:
-        return self._heap[0][0][0] if self._heap else None
-
     def run(self, sim, until: float | None = None, progress=None) -> None:
         """Pop events in (time, priority, seq) order and let each handle itself."""
         heap, clock = self._heap, self.clock
