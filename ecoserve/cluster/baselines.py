@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ecoserve.clock import Clock
@@ -48,7 +48,6 @@ class FuDGRouter:
 
     prefill: list[int]
     decode: list[int]
-    _rr: dict[str, int] = field(default_factory=lambda: {"p": 0, "d": 0})
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:

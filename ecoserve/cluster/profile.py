@@ -87,10 +87,6 @@ class PrefillProfile:
             t = self._cache[n] = self.step_time(n)
         return t
 
-    def single(self, num_tokens: int) -> float:
-        """One prompt alone, in one step."""
-        return self._step(max(int(num_tokens), 1))
-
     def batched(self, total_tokens: int) -> float:
         """Prompts of `total_tokens` tokens together: full budget-sized steps, then the remainder."""
         if total_tokens <= 0:

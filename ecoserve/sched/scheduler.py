@@ -114,10 +114,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- the mechanism policies use ------------------------------------------------------
     def is_schedulable(self, req: Request) -> bool:
         """Running and not in a batch in flight."""

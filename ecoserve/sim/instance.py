@@ -83,10 +83,6 @@ class SimInstance:
         self._status = None
         return req
 
-    @property
-    def num_unfinished(self) -> int:
-        return self.sched.num_unfinished
-
     def open_window(self) -> None:
         self.sched.open_window()
         self._status = None
