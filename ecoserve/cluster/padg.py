@@ -5,6 +5,8 @@ windows (router.py). With mitosis, a periodic timer compares each macro instance
 (requests finished in the last `ttft_window` seconds, plus the age of those still waiting in its
 router) and saved TPOT with the thresholds, and the topology changes are applied to the routers
 here and announced to the driver as `Scale` actions; drained instances are released once empty.
+The controller holds the one `MacroTopology` (the members of each macro instance, the free pool,
+the draining instances): mitosis changes it, the routers follow, `topology()` reads it.
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ class PaDGController(ControllerBase):
             changes = [self.mitosis.drain(macro)]
         else:
             raise ValueError(f"delta must be +1 or -1, got {delta!r}")
-        return self.apply_changes(changes)
+        return self._apply_changes(changes)
 
     # ---- events ----------------------------------------------------------------------------
     def start(self) -> list[Action]:
@@ -173,9 +175,9 @@ class PaDGController(ControllerBase):
                     if self.status_of(iid).num_requests == 0]
         c = self.mitosis.count()
         self.timeline.append({"time": now, **c, "sizes": sorted(len(v) for v in self.layout.macros.values())})
-        return self.apply_changes(changes)
+        return self._apply_changes(changes)
 
-    def apply_changes(self, changes: list[Scale]) -> list[Action]:
+    def _apply_changes(self, changes: list[Scale]) -> list[Action]:
         """Mirror mitosis steps (timed, or by hand) into the routers: the window actions they cause and
         the steps themselves, then the pending requests routed anew over the new topology."""
         acts: list[Action] = []

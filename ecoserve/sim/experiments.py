@@ -245,7 +245,7 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
 
 
 # (prompt-step overhead s, s per hybrid decode token) for eager (non-CUDA-graph) prompt steps in vLLM 0.7.3:
-# 5 ms from a published eager-vs-graph decode step gap, 15 / 30 ms from issue 8's prototype, 0.5 ms per
+# 5 ms from a published eager-vs-graph decode step gap, 15 / 30 ms from an earlier prototype of ours, 0.5 ms per
 # hybrid decode as a bracket (docs/reproduction.md, "Step-type costs").
 STEP_COSTS = ((0.0, 0.0), (0.005, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005))
 
