@@ -63,7 +63,8 @@ class FuDGRouter:
         return best if status_of(best).free_kv_tokens >= kv_tokens else None
 
 
-def nodg_setups(instances: list[int], policy: str, max_num_batched_tokens: int | None = None) -> dict[int, InstanceSetup]:
+def nodg_setups(instances: list[int], policy: str,
+                max_num_batched_tokens: int | None = None) -> dict[int, InstanceSetup]:
     return {i: InstanceSetup("both", policy, max_num_batched_tokens) for i in instances}
 
 
@@ -113,7 +114,8 @@ class FuDGController(ControllerBase):
     """
 
     def __init__(self, clock: Clock, status_of: StatusOf, num_prefill: int, num_decode: int,
-                 kv_bytes_per_token: float, kv_path: KVPath = "inter_node", decode_budget: int = FUDG_DECODE_BUDGET) -> None:
+                 kv_bytes_per_token: float, kv_path: KVPath = "inter_node",
+                 decode_budget: int = FUDG_DECODE_BUDGET) -> None:
         super().__init__(clock, status_of, fudg_setups(num_prefill, num_decode, kv_path, decode_budget))
         n = num_prefill + num_decode
         self.router = FuDGRouter(list(range(num_prefill)), list(range(num_prefill, n)))

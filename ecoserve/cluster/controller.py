@@ -16,6 +16,7 @@ from ecoserve.cluster.topology import Topology
 
 NO_MITOSIS = "this cluster has no mitosis: start it with --strategy ecoserve --mitosis N_L:N_U --num-free-instances F"
 
+
 class ControllerBase:
     """The `ClusterController` surface, written once; subclasses fill in the `on_*` hooks."""
 

@@ -231,9 +231,11 @@ def dynamic_mitosis(out: Path, model="codellama-34b", dataset="sharegpt", step_s
 def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requests=400,
               fixed=(0.25, 0.5, 0.75, 1.0)) -> dict:
     """Figs. 15-16: cyclic vs random order; Algorithm 1 vs fixed-interval routing; slack rules; hold."""
+    # name -> (router mode, more RouterConfig fields)
     variants = {"paper": ("paper", {}), "reference": ("reference", {}), "random_order": ("paper", {"order": "random"}),
                 "min_slack": ("paper", {"slack": "min"}), "phase_slack": ("paper", {"slack": "phase"}),
-                "paper_hold": ("paper", {"output_hold": True}), "reference_no_hold": ("reference", {"output_hold": False}),
+                "paper_hold": ("paper", {"output_hold": True}),
+                "reference_no_hold": ("reference", {"output_hold": False}),
                 **{f"fixed_{f}": ("fixed_interval", {"interval_frac": f}) for f in fixed}}
     res = {m: {t: {v: _goodput_any("ecoserve", l20_spec(m), dataset, target=t, num_requests=num_requests,
                                    router_mode=mode, router=kw)["goodput"] for v, (mode, kw) in variants.items()}
