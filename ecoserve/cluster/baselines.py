@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ecoserve.clock import Clock
-from ecoserve.cluster.controller import ControllerBase, StatusBoard
-from ecoserve.cluster.events import (STAGING, Action, Dispatch, InstanceSetup, PrefillDone, RequestArrived,
+from ecoserve.cluster.controller import ControllerBase
+from ecoserve.cluster.events import (STAGING, Action, Dispatch, InstanceSetup, KVPath, PrefillDone, RequestArrived,
                                      TransferDone, TransferKV)
-from ecoserve.cluster.status import InstanceStatus
+from ecoserve.cluster.status import InstanceStatus, StatusOf
 
-StatusOf = Callable[[int], InstanceStatus]
+FUDG_DECODE_BUDGET = 1 << 15  # a decode instance's token budget: decodes only, so as many as it seats
 
 
 def _load(st: InstanceStatus) -> tuple[int, int]:
@@ -48,7 +48,6 @@ class FuDGRouter:
 
     prefill: list[int]
     decode: list[int]
-    _rr: dict[str, int] = field(default_factory=lambda: {"p": 0, "d": 0})
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -64,16 +63,34 @@ class FuDGRouter:
         return best if status_of(best).free_kv_tokens >= kv_tokens else None
 
 
+def nodg_setups(instances: list[int], policy: str,
+                max_num_batched_tokens: int | None = None) -> dict[int, InstanceSetup]:
+    return {i: InstanceSetup("both", policy, max_num_batched_tokens) for i in instances}
+
+
+def fudg_setups(num_prefill: int, num_decode: int, kv_path: KVPath,
+                decode_budget: int = FUDG_DECODE_BUDGET) -> dict[int, InstanceSetup]:
+    """Prefill instances 0..P-1, then decode instances; both ends of the KV path know which link it is."""
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"FuDG needs at least one prefill and one decode instance, got {num_prefill}P:{num_decode}D")
+    if kv_path not in ("intra_node", "inter_node"):
+        raise ValueError(f"kv_path must be 'intra_node' or 'inter_node', got {kv_path!r}")
+    n = num_prefill + num_decode
+    setups = {i: InstanceSetup("prefill", "prefill_first", kv_path=kv_path) for i in range(num_prefill)}
+    setups.update({i: InstanceSetup("decode", "prefill_first", decode_budget, kv_path) for i in range(num_prefill, n)})
+    return setups
+
+
 class NoDGController(ControllerBase):
     """Replicas that prefill and decode their own requests (vLLM: prefill_first; Sarathi: chunked)."""
 
-    def __init__(self, clock: Clock, board: StatusBoard, instances: list[int], policy: str = "prefill_first",
+    def __init__(self, clock: Clock, status_of: StatusOf, instances: list[int], policy: str = "prefill_first",
                  balance: str = "round_robin", max_num_batched_tokens: int | None = None) -> None:
-        super().__init__(clock, board, {i: InstanceSetup("both", policy, max_num_batched_tokens) for i in instances})
+        super().__init__(clock, status_of, nodg_setups(instances, policy, max_num_batched_tokens))
         self.router = NoDGRouter(list(instances), balance)
 
     def on_arrival(self, req: RequestArrived) -> list[Action]:
-        return [Dispatch(req.request_id, self.router.route(self.board), req.max_tokens)]
+        return [Dispatch(req.request_id, self.router.route(self.status_of), req.max_tokens)]
 
     def _joined(self, e):
         if e.instance_id not in self.router.instances:
@@ -96,25 +113,22 @@ class FuDGController(ControllerBase):
     "inter_node" (MoonCake).
     """
 
-    def __init__(self, clock: Clock, board: StatusBoard, num_prefill: int, num_decode: int,
-                 kv_bytes_per_token: float, kv_path: str = "inter_node", decode_budget: int = 1 << 15) -> None:
-        if num_prefill < 1 or num_decode < 1:
-            raise ValueError(f"FuDG needs at least one prefill and one decode instance, got "
-                             f"{num_prefill}P:{num_decode}D")
-        if kv_path not in ("intra_node", "inter_node"):
-            raise ValueError(f"kv_path must be 'intra_node' or 'inter_node', got {kv_path!r}")
+    def __init__(self, clock: Clock, status_of: StatusOf, num_prefill: int, num_decode: int,
+                 kv_bytes_per_token: float, kv_path: KVPath = "inter_node",
+                 decode_budget: int = FUDG_DECODE_BUDGET) -> None:
+        super().__init__(clock, status_of, fudg_setups(num_prefill, num_decode, kv_path, decode_budget))
         n = num_prefill + num_decode
-        setups = {i: InstanceSetup("prefill", "prefill_first") for i in range(num_prefill)}
-        setups.update({i: InstanceSetup("decode", "prefill_first", decode_budget) for i in range(num_prefill, n)})
-        super().__init__(clock, board, setups)
         self.router = FuDGRouter(list(range(num_prefill)), list(range(num_prefill, n)))
         self.kv_bytes_per_token = kv_bytes_per_token
         self.kv_path = kv_path
         self.staged: deque[str] = deque()  # KV on the decode side, waiting for a decode instance
         self.transferred_bytes = 0.0
 
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "kv_path": self.kv_path, "kv_transferred_bytes": self.transferred_bytes}
+
     def on_arrival(self, req: RequestArrived) -> list[Action]:
-        return [Dispatch(req.request_id, self.router.route_prefill(self.board), 1)]
+        return [Dispatch(req.request_id, self.router.route_prefill(self.status_of), 1)]
 
     def on_prefill_done(self, e: PrefillDone) -> list[Action]:
         nbytes = e.num_tokens * self.kv_bytes_per_token
@@ -135,7 +149,7 @@ class FuDGController(ControllerBase):
             if req is None:  # aborted meanwhile
                 self.staged.popleft()
                 continue
-            iid = self.router.route_decode(self.board, req.prompt_len + req.max_tokens)
+            iid = self.router.route_decode(self.status_of, req.prompt_len + req.max_tokens)
             if iid is None:
                 break
             self.staged.popleft()

@@ -1,61 +1,37 @@
-"""What every cluster controller shares: the status board, where each request runs, lost instances.
+"""What every cluster controller shares: where each request runs, lost instances, the driver surface.
 
 Subclasses (NoDG, FuDG, PaDG) say where requests go. A controller reads time only from its
-`Clock` and statuses only from its `StatusBoard`.
+`Clock` and statuses only from the driver's status reader (`status_of`).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 from ecoserve.clock import Clock
 from ecoserve.cluster.events import (Action, Dispatch, Event, FinishRequest, InstanceJoined, InstanceLost,
-                                     InstanceReported, InstanceSetup, InstanceStepped, PrefillDone, RequestAborted,
-                                     RequestArrived, RequestFinished, TimerFired, TransferDone)
-from ecoserve.cluster.status import InstanceStatus
+                                     InstanceReported, InstanceSetup, PrefillDone, RequestAborted, RequestArrived,
+                                     RequestFinished, TimerFired, TransferDone)
+from ecoserve.cluster.status import StatusOf
+from ecoserve.cluster.topology import Topology
 
-
-class StatusBoard:
-    """The latest status of each instance: `InstanceReported` fills it (live), or it reads on demand (sim)."""
-
-    def __init__(self, read: Callable[[int], InstanceStatus] | None = None, clock: Clock | None = None) -> None:
-        self._read = read
-        self._clock = clock
-        self._latest: dict[int, InstanceStatus] = {}
-
-    def put(self, status: InstanceStatus) -> None:
-        self._latest[status.instance_id] = status
-
-    def join(self, instance_id: int, total_kv_tokens: int) -> None:
-        if instance_id not in self._latest:
-            now = self._clock.now() if self._clock is not None else 0.0
-            self.put(InstanceStatus(instance_id, now, "idle", now, (), total_kv_tokens, total_kv_tokens))
-
-    def forget(self, instance_id: int) -> None:
-        self._latest.pop(instance_id, None)
-
-    def __call__(self, instance_id: int) -> InstanceStatus:
-        if self._read is not None:
-            return self._read(instance_id)
-        try:
-            return self._latest[instance_id]
-        except KeyError:
-            raise KeyError(f"no status from instance {instance_id} yet (it has not joined)") from None
+NO_MITOSIS = "this cluster has no mitosis: start it with --strategy ecoserve --mitosis N_L:N_U --num-free-instances F"
 
 
 class ControllerBase:
+    """The `ClusterController` surface, written once; subclasses fill in the `on_*` hooks."""
+
     has_windows = False
     max_reroutes = 2  # a request whose instance is lost before its first token moves at most twice
 
-    def __init__(self, clock: Clock, board: StatusBoard, setups: dict[int, InstanceSetup]) -> None:
+    def __init__(self, clock: Clock, status_of: StatusOf, setups: dict[int, InstanceSetup]) -> None:
         self.clock = clock
-        self.board = board
+        self.status_of = status_of
         self.setups = setups
         self.requests: dict[str, RequestArrived] = {}
         self.where: dict[str, int] = {}  # request id -> the instance it was last dispatched to
         self.num_dispatched: dict[int, int] = {i: 0 for i in setups}
         self._reroutes: dict[str, int] = {}
-        self._handlers = {RequestArrived: self._arrived, InstanceReported: self._reported,
-                          InstanceStepped: lambda e: self.on_step(e.instance_id),
+        self._handlers = {RequestArrived: self._arrived, InstanceReported: lambda e: self.on_step(e.instance_id),
                           InstanceJoined: self._joined, PrefillDone: self.on_prefill_done,
                           TransferDone: self.on_transfer_done, RequestFinished: self._finished,
                           RequestAborted: self._aborted, InstanceLost: self._lost, TimerFired: self.on_timer}
@@ -71,6 +47,15 @@ class ControllerBase:
                 self.where[a.request_id] = a.instance_id
                 self.num_dispatched[a.instance_id] = self.num_dispatched.get(a.instance_id, 0) + 1
         return acts
+
+    def topology(self) -> Topology:
+        return Topology({i: s.role for i, s in self.setups.items()})
+
+    def summary(self) -> dict[str, Any]:
+        return {"num_dispatched": dict(self.num_dispatched)}
+
+    def scale_by_hand(self, macro: int, delta: int) -> list[Action]:
+        raise ValueError(NO_MITOSIS)
 
     # ---- what subclasses say -------------------------------------------------------------------
     def on_arrival(self, req: RequestArrived) -> list[Action]:
@@ -101,12 +86,7 @@ class ControllerBase:
         self.requests[e.request_id] = e
         return self.on_arrival(e)
 
-    def _reported(self, e: InstanceReported) -> list[Action]:
-        self.board.put(e.status)
-        return self.on_step(e.status.instance_id)
-
     def _joined(self, e: InstanceJoined) -> list[Action]:
-        self.board.join(e.instance_id, e.total_kv_tokens)
         self.num_dispatched.setdefault(e.instance_id, 0)
         return []
 
@@ -127,11 +107,10 @@ class ControllerBase:
         """Re-route the lost instance's requests that produced nothing yet; end the others with an error."""
         iid = e.instance_id
         try:
-            started = {q.request_id for q in self.board(iid).requests if q.first_token_time is not None}
+            started = {q.request_id for q in self.status_of(iid).requests if q.first_token_time is not None}
         except KeyError:
             started = set()
         self.on_instance_lost(iid)
-        self.board.forget(iid)
         acts: list[Action] = []
         for rid in [r for r, i in self.where.items() if i == iid]:
             del self.where[rid]

@@ -6,18 +6,17 @@ the actions the driver must carry out. Two drivers run the same controllers: `ec
 (simulated instances on virtual time, a network model) and `ecoserve.live` (instance processes
 over ZeroMQ on the wall clock). Instances are named by integer ids the driver assigns.
 
-Messages are frozen dataclasses so that a driver can log, compare and replay them.
-
-Added with issue 8 (nothing renamed or removed): `InstanceStepped`, `RequestFinished.ttft`,
-`STAGING` as a `TransferKV` destination, `InstanceSetup` (what each instance runs), and the
-meaning of `Dispatch.imported_tokens` for the decode leg.
+Messages are frozen dataclasses so that a driver can log, compare and replay them. Beyond events
+and actions, a driver reads a controller only through `ClusterController`: what to start
+(`setups`), who plays which part (`topology()`) and what it counted (`summary()`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Any, Literal, Protocol, Union
 
-from ecoserve.cluster.status import InstanceStatus
+from ecoserve.cluster.topology import Topology
+from ecoserve.states import Role
 
 
 # ---- events: driver -> controller -------------------------------------------------------------
@@ -33,17 +32,9 @@ class RequestArrived:
 
 @dataclass(frozen=True)
 class InstanceReported:
-    """A fresh status from one instance (the live driver overlays dispatches sent since it)."""
+    """A fresh status of this instance can be read from the driver's status reader.
 
-    status: InstanceStatus
-
-
-@dataclass(frozen=True)
-class InstanceStepped:
-    """An instance finished a step, and the controller's status board already reads it fresh.
-
-    The simulator's board reads statuses on demand, so it sends this instead of shipping an
-    `InstanceReported` per step; a live driver sends `InstanceReported`. Controllers treat both alike.
+    The simulator sends it after each step of the instance, the live driver when a status arrives.
     """
 
     instance_id: int
@@ -104,7 +95,7 @@ class TimerFired:
     name: str  # a timer the controller asked for with `SetTimer`
 
 
-Event = Union[RequestArrived, InstanceReported, InstanceStepped, InstanceJoined, PrefillDone, TransferDone, RequestFinished,
+Event = Union[RequestArrived, InstanceReported, InstanceJoined, PrefillDone, TransferDone, RequestFinished,
               RequestAborted, InstanceLost, TimerFired]
 
 
@@ -164,11 +155,14 @@ class ReleaseOutput:
     instance_id: int
 
 
+ScaleKind = Literal["add", "split", "drain", "merge", "release"]
+
+
 @dataclass(frozen=True)
 class Scale:
-    """A mitosis step applied to the topology: `kind` is add | split | drain | merge | release."""
+    """A mitosis step applied to the topology (`macro` is -1 for a release: the instance joins the free pool)."""
 
-    kind: str
+    kind: ScaleKind
     macro: int
     instances: tuple[int, ...] = ()
     other: int | None = None  # the new macro (split) or the absorbed one (merge)
@@ -194,17 +188,21 @@ Action = Union[Dispatch, TransferKV, OpenWindow, CloseWindow, HoldOutput, Releas
                SetTimer]
 
 
+KVPath = Literal["intra_node", "inter_node"]
+
+
 @dataclass(frozen=True)
 class InstanceSetup:
-    """What the driver must run on an instance: its scheduling policy and token budget."""
+    """What the driver must run on an instance: its role, scheduling policy and token budget."""
 
-    role: str  # "both" (NoDG, PaDG) | "prefill" | "decode" (FuDG)
+    role: Role
     policy: str  # a registered scheduling policy: prefill_first | chunked | temporal
     max_num_batched_tokens: int | None = None  # None: the driver's default
+    kv_path: KVPath | None = None  # FuDG: the link its KV crosses (the node's GPU link or the node network)
 
 
 class ClusterController(Protocol):
-    """What every strategy's controller offers to both drivers.
+    """What every strategy's controller offers to both drivers; a driver reads nothing else of it.
 
     `setups` says what each instance id runs (the driver starts those instances);
     `has_windows` is True where instances run router-commanded windows (PaDG).
@@ -218,3 +216,17 @@ class ClusterController(Protocol):
         ...
 
     def handle(self, event: Event) -> list[Action]: ...
+
+    def topology(self) -> Topology:
+        """Roles, macro instances and their members, the free pool and the draining instances, as of now."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """What the controller counted, JSON-able: always "num_dispatched" ({instance id: requests});
+        FuDG adds "kv_path" and "kv_transferred_bytes", PaDG with mitosis "timeline" (one entry per step)."""
+        ...
+
+    def scale_by_hand(self, macro: int, delta: int) -> list[Action]:
+        """A mitosis step by hand (+1: add a free instance to `macro`, -1: drain its newest one);
+        ValueError where the strategy has no macro instances to scale or the step is impossible."""
+        ...

@@ -1,7 +1,8 @@
 """Mitosis scaling of macro instances (paper A7), as pure decisions over a topology.
 
-The controller owns the topology (macro id -> instance ids, a free pool, draining instances) and
-returns the actions it took, which the caller mirrors into its routers. Decisions the paper
+The controller changes the `MacroTopology` its caller holds (macro id -> instance ids, a free
+pool, draining instances) and returns the steps it took as `Scale` actions, which the caller
+mirrors into its routers. Decisions the paper
 leaves open, as taken here:
 - Expand when a macro instance's tracked mean TTFT (the caller's window; the simulator includes
   the age of requests still waiting in the router) exceeds the TTFT SLO; one instance per action.
@@ -23,6 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ecoserve.cluster.events import Scale
+from ecoserve.cluster.topology import MacroTopology
+
 
 @dataclass
 class MitosisConfig:
@@ -41,32 +45,26 @@ class MitosisConfig:
                              f"leaves two macro instances of at least n_lower; got {self.n_upper}")
 
 
-@dataclass(frozen=True)
-class TopologyChange:
-    kind: str  # "add" | "split" | "drain" | "merge" | "release"
-    macro: int
-    instances: tuple[int, ...] = ()
-    other: int | None = None  # new macro (split) or absorbed macro (merge)
-
-
 @dataclass
 class MitosisController:
     config: MitosisConfig
-    macros: dict[int, list[int]]
-    free: list[int] = field(default_factory=list)
-    draining: set[int] = field(default_factory=set)
+    topology: MacroTopology  # the caller's: changed in place
     _last_action: dict[int, float] = field(default_factory=dict)
     _next_macro: int = 0
 
     def __post_init__(self) -> None:
-        self._next_macro = max(self.macros, default=-1) + 1
+        self._next_macro = max(self.topology.macros, default=-1) + 1
+
+    @property
+    def macros(self) -> dict[int, list[int]]:
+        return self.topology.macros
 
     def _cooling(self, macro: int, now: float) -> bool:
         return now - self._last_action.get(macro, -1e18) < self.config.cooldown_s
 
-    def step(self, now: float, mean_ttft: dict[int, float], saved_tpot: dict[int, float | None]) -> list[TopologyChange]:
+    def step(self, now: float, mean_ttft: dict[int, float], saved_tpot: dict[int, float | None]) -> list[Scale]:
         """One control decision per macro instance; returns the actions applied to the topology."""
-        actions: list[TopologyChange] = []
+        actions: list[Scale] = []
         for m in sorted(self.macros):
             if m not in self.macros or self._cooling(m, now):
                 continue
@@ -88,23 +86,23 @@ class MitosisController:
                         self._last_action[a.other] = now
         return actions
 
-    def expand(self, m: int) -> list[TopologyChange]:
-        if not self.free:
+    def expand(self, m: int) -> list[Scale]:
+        if not self.topology.free:
             return []
-        iid = self.free.pop(0)
+        iid = self.topology.free.pop(0)
         members = self.macros[m]
         if len(members) < self.config.n_upper:
             members.append(iid)
-            return [TopologyChange("add", m, (iid,))]
+            return [Scale("add", m, (iid,))]
         new = self._next_macro
         self._next_macro += 1
         k = self.config.n_lower - 1
         moved = tuple(members[len(members) - k:]) if k else ()
         del members[len(members) - k:]
         self.macros[new] = [*moved, iid]
-        return [TopologyChange("split", m, (iid, *moved), other=new)]
+        return [Scale("split", m, (iid, *moved), other=new)]
 
-    def contract(self) -> list[TopologyChange]:
+    def contract(self) -> list[Scale]:
         nl = self.config.n_lower
         above = [m for m in self.macros if len(self.macros[m]) > nl]
         if above:
@@ -117,13 +115,13 @@ class MitosisController:
                 return []
         return [self.drain(m)] + self.merge_small()
 
-    def drain(self, m: int) -> TopologyChange:
+    def drain(self, m: int) -> Scale:
         """Take macro `m`'s newest instance out of routing; it is released once it holds no request."""
         iid = self.macros[m].pop()
-        self.draining.add(iid)
-        return TopologyChange("drain", m, (iid,))
+        self.topology.draining.add(iid)
+        return Scale("drain", m, (iid,))
 
-    def merge_small(self) -> list[TopologyChange]:
+    def merge_small(self) -> list[Scale]:
         acts = []
         while len(self.macros) > 1:
             a, b = sorted(self.macros, key=lambda k: (len(self.macros[k]), k))[:2]
@@ -131,15 +129,16 @@ class MitosisController:
                 break
             keep, gone = (a, b) if len(self.macros[a]) >= len(self.macros[b]) else (b, a)
             self.macros[keep].extend(self.macros.pop(gone))
-            acts.append(TopologyChange("merge", keep, (), other=gone))
+            acts.append(Scale("merge", keep, (), other=gone))
         return acts
 
-    def release(self, instance_id: int) -> TopologyChange:
+    def release(self, instance_id: int) -> Scale:
         """A drained instance has no requests left: back to the free pool."""
-        self.draining.discard(instance_id)
-        self.free.append(instance_id)
-        return TopologyChange("release", -1, (instance_id,))
+        self.topology.draining.discard(instance_id)
+        self.topology.free.append(instance_id)
+        return Scale("release", -1, (instance_id,))
 
     def count(self) -> dict[str, int]:
-        return {"active": sum(len(v) for v in self.macros.values()), "free": len(self.free),
-                "draining": len(self.draining), "macros": len(self.macros)}
+        t = self.topology
+        return {"active": sum(len(v) for v in t.macros.values()), "free": len(t.free),
+                "draining": len(t.draining), "macros": len(t.macros)}

@@ -5,43 +5,54 @@ windows (router.py). With mitosis, a periodic timer compares each macro instance
 (requests finished in the last `ttft_window` seconds, plus the age of those still waiting in its
 router) and saved TPOT with the thresholds, and the topology changes are applied to the routers
 here and announced to the driver as `Scale` actions; drained instances are released once empty.
+The controller holds the one `MacroTopology` (the members of each macro instance, the free pool,
+the draining instances): mitosis changes it, the routers follow, `topology()` reads it.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from ecoserve.clock import Clock
-from ecoserve.cluster.controller import ControllerBase, StatusBoard
-from ecoserve.cluster.events import (Action, CloseWindow, Dispatch, InstanceSetup, RequestArrived, RequestFinished, Scale,
-                                     SetTimer, TimerFired)
-from ecoserve.cluster.mitosis import MitosisConfig, MitosisController, TopologyChange
+from ecoserve.cluster.controller import NO_MITOSIS, ControllerBase
+from ecoserve.cluster.events import (Action, CloseWindow, Dispatch, InstanceSetup, RequestArrived, RequestFinished,
+                                     Scale, SetTimer, TimerFired)
+from ecoserve.cluster.mitosis import MitosisConfig, MitosisController
+from ecoserve.cluster.modes import ROUTER_MODES
 from ecoserve.cluster.overall import OverallScheduler
 from ecoserve.cluster.profile import PrefillProfile
 from ecoserve.cluster.router import MacroInstance, RouterConfig
+from ecoserve.cluster.status import StatusOf
+from ecoserve.cluster.topology import MacroTopology, Topology
+
+
+def padg_setups(num_instances: int, max_num_batched_tokens: int) -> dict[int, InstanceSetup]:
+    """Every instance, the free pool's too, runs the temporal policy."""
+    return {i: InstanceSetup("both", "temporal", max_num_batched_tokens) for i in range(num_instances)}
 
 
 class PaDGController(ControllerBase):
     has_windows = True
 
-    def __init__(self, clock: Clock, board: StatusBoard, profile: PrefillProfile, router: RouterConfig,
+    def __init__(self, clock: Clock, status_of: StatusOf, profile: PrefillProfile, router: RouterConfig,
                  macro_sizes: list[int], total_instances: int | None = None, mitosis: MitosisConfig | None = None,
                  mitosis_period: float = 5.0, ttft_window: float = 30.0) -> None:
         total = total_instances or sum(macro_sizes)
         if sum(macro_sizes) > total:
             raise ValueError(f"macro instances of {macro_sizes} need {sum(macro_sizes)} instances, have {total}")
-        super().__init__(clock, board, {i: InstanceSetup("both", "temporal", profile.budget) for i in range(total)})
+        super().__init__(clock, status_of, padg_setups(total, profile.budget))
         self.profile = profile
         self.router_config = router
-        self.macros: dict[int, MacroInstance] = {}
-        start = 0
+        self.route_period = ROUTER_MODES.get(router.mode).period(router)
+        members, start = {}, 0
         for m, n in enumerate(macro_sizes):
-            self.macros[m] = MacroInstance(list(range(start, start + n)), profile, router, macro_id=m)
+            members[m] = list(range(start, start + n))
             start += n
+        self.layout = MacroTopology(members, free=list(range(start, total)))
+        self.macros: dict[int, MacroInstance] = {m: MacroInstance(list(v), profile, router, macro_id=m)
+                                                 for m, v in members.items()}  # the routers, one per macro
         self.overall = OverallScheduler(self.macros)
-        self.mitosis = None
-        if mitosis is not None:
-            self.mitosis = MitosisController(mitosis, {m: list(mac.instances) for m, mac in self.macros.items()},
-                                             free=list(range(start, total)))
+        self.mitosis = MitosisController(mitosis, self.layout) if mitosis is not None else None
         self.mitosis_period = mitosis_period
         self.ttft_window = ttft_window
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, macro, ttft)
@@ -49,10 +60,37 @@ class PaDGController(ControllerBase):
         self.timeline: list[dict] = []
 
     def macro_of(self, instance_id: int) -> MacroInstance | None:
-        for mac in self.macros.values():
-            if instance_id in mac.instances:
-                return mac
-        return None
+        m = self.layout.macro_of(instance_id)
+        return self.macros[m] if m is not None else None
+
+    # ---- the driver surface ------------------------------------------------------------------
+    def topology(self) -> Topology:
+        return self.layout.freeze({i: s.role for i, s in self.setups.items()})
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        if self.mitosis is not None:
+            out["timeline"] = self.timeline
+        return out
+
+    def scale_by_hand(self, macro: int, delta: int) -> list[Action]:
+        """+1: add a free instance to `macro` (split past N_u); -1: drain its newest instance."""
+        if self.mitosis is None:
+            raise ValueError(NO_MITOSIS)
+        layout = self.layout
+        if macro not in layout.macros:
+            raise ValueError(f"no macro instance {macro}; there are {sorted(layout.macros)}")
+        if delta == 1:
+            if not layout.free:
+                raise ValueError("no free instance left to add")
+            changes = self.mitosis.expand(macro)
+        elif delta == -1:
+            if len(layout.macros[macro]) <= 1:
+                raise ValueError(f"macro instance {macro} has one instance; it cannot shrink")
+            changes = [self.mitosis.drain(macro)]
+        else:
+            raise ValueError(f"delta must be +1 or -1, got {delta!r}")
+        return self._apply_changes(changes)
 
     # ---- events ----------------------------------------------------------------------------
     def start(self) -> list[Action]:
@@ -60,13 +98,14 @@ class PaDGController(ControllerBase):
         now = self.clock.now()
         if self.mitosis is not None:
             acts.append(SetTimer("mitosis", now + self.mitosis_period))
-        if self.router_config.mode == "fixed_interval":
-            acts.append(SetTimer("route", now + self.router_config.interval_frac * self.router_config.ttft_slo))
+        if self.route_period is not None:
+            acts.append(SetTimer("route", now + self.route_period))
         return acts
 
     def on_arrival(self, req: RequestArrived) -> list[Action]:
         mac = self.overall.pick()
-        return self._track(mac.submit(req.request_id, req.prompt_len, req.max_tokens, self.board, self.clock.now()))
+        return self._track(mac.submit(req.request_id, req.prompt_len, req.max_tokens, self.status_of,
+                                      self.clock.now()))
 
     def _track(self, acts: list[Action]) -> list[Action]:
         if self.mitosis is not None:
@@ -81,15 +120,14 @@ class PaDGController(ControllerBase):
         now = self.clock.now()
         for mac in self.macros.values():
             if mac.pending:
-                acts += mac.retry(self.board, now)
+                acts += mac.retry(self.status_of, now)
         return self._track(acts)
 
     def on_step(self, instance_id: int) -> list[Action]:
         acts = self.retry_pending()
-        if self.mitosis is not None and instance_id in self.mitosis.draining \
-                and self.board(instance_id).num_requests == 0:
-            a = self.mitosis.release(instance_id)
-            acts.append(Scale(a.kind, a.macro, a.instances, a.other))
+        if self.mitosis is not None and instance_id in self.layout.draining \
+                and self.status_of(instance_id).num_requests == 0:
+            acts.append(self.mitosis.release(instance_id))
         return acts
 
     def on_finished(self, e: RequestFinished) -> list[Action]:
@@ -103,9 +141,8 @@ class PaDGController(ControllerBase):
         if e.name == "route":
             acts: list[Action] = []
             for mac in self.macros.values():
-                acts += mac.interval_tick(self.board, now)
-            return self._track(acts) + [SetTimer("route", now + self.router_config.interval_frac
-                                                 * self.router_config.ttft_slo)]
+                acts += mac.tick(self.status_of, now)
+            return self._track(acts) + [SetTimer("route", now + self.route_period)]
         if e.name == "mitosis":
             return self._mitosis(now) + [SetTimer("mitosis", now + self.mitosis_period)]
         if e.name.startswith(("release/", "close/")):
@@ -117,11 +154,7 @@ class PaDGController(ControllerBase):
         mac = self.macro_of(instance_id)
         if mac is not None:
             mac.remove_instance(instance_id)
-        if self.mitosis is not None:
-            for members in self.mitosis.macros.values():
-                if instance_id in members:
-                    members.remove(instance_id)
-            self.mitosis.draining.discard(instance_id)
+        self.layout.remove(instance_id)
 
     # ---- mitosis ---------------------------------------------------------------------------
     def _mitosis(self, now: float) -> list[Action]:
@@ -135,25 +168,25 @@ class PaDGController(ControllerBase):
         mean_ttft = {m: sum(v) / len(v) for m, v in ttft.items() if v}
         saved = {}
         for m, mac in self.macros.items():
-            vals = [s for s in (mac.saved_tpot(self.board(i), now) for i in mac.instances) if s is not None]
+            vals = [s for s in (mac.saved_tpot(self.status_of(i), now) for i in mac.instances) if s is not None]
             saved[m] = sum(vals) / len(vals) if vals else None
         changes = self.mitosis.step(now, mean_ttft, saved)
-        changes += [self.mitosis.release(iid) for iid in list(self.mitosis.draining)
-                    if self.board(iid).num_requests == 0]
+        changes += [self.mitosis.release(iid) for iid in list(self.layout.draining)
+                    if self.status_of(iid).num_requests == 0]
         c = self.mitosis.count()
-        self.timeline.append({"time": now, **c, "sizes": sorted(len(v) for v in self.mitosis.macros.values())})
-        return self.apply_changes(changes)
+        self.timeline.append({"time": now, **c, "sizes": sorted(len(v) for v in self.layout.macros.values())})
+        return self._apply_changes(changes)
 
-    def apply_changes(self, changes: list[TopologyChange]) -> list[Action]:
-        """Mirror mitosis steps (timed, or by hand) into the routers: the window and scale actions they
-        cause, then the pending requests routed anew over the new topology."""
+    def _apply_changes(self, changes: list[Scale]) -> list[Action]:
+        """Mirror mitosis steps (timed, or by hand) into the routers: the window actions they cause and
+        the steps themselves, then the pending requests routed anew over the new topology."""
         acts: list[Action] = []
         for c in changes:
             acts += self._mirror(c)
-            acts.append(Scale(c.kind, c.macro, c.instances, c.other))
+            acts.append(c)
         return acts + self.retry_pending()
 
-    def _mirror(self, a: TopologyChange) -> list[Action]:
+    def _mirror(self, a: Scale) -> list[Action]:
         """Mirror one topology change into the routers; returns the window actions it causes."""
         acts: list[Action] = []
         if a.kind == "add":

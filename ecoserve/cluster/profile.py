@@ -1,15 +1,75 @@
-"""Predicted prefill times from an instance's `tokens -> seconds` profile (paper A6: offline profiling).
+"""Predicted step times: the one `tokens -> time` table, and prefill predictions over it (paper A6).
 
-`step_time(n)` is the duration of one prefill-only step of n prompt tokens: a measured table live,
-the performance model in the simulator. A window's prompts run together (the `temporal` policy
-packs them into steps of `max_num_batched_tokens`), so a window costs its batched prefill, not
-the sum of single-prompt prefills.
+`StepTimeTable` reads a measured `tokens,ms` table of one forward step: the simulator's table
+model, a mock instance and the live controller all read it, so they agree at every length.
+`PrefillProfile.step_time(n)` is the duration of one prefill-only step of n prompt tokens: such
+a table live, the performance model in the simulator. A window's prompts run together (the
+`temporal` policy packs them into steps of `max_num_batched_tokens`), so a window costs its
+batched prefill, not the sum of single-prompt prefills.
 """
 from __future__ import annotations
 
-from typing import Callable
+import bisect
+import csv
+from pathlib import Path
+from typing import Callable, Iterable
 
 REFERENCE_ANCHORS = (16, 4096)  # the released router's profile lengths (tokens)
+
+
+class StepTimeTable:
+    """A measured `tokens -> ms` table of one forward step, read between and beyond its rows.
+
+    Linear between rows; the first row's time at or below it; past the last row, linear along
+    the upper half of the table (from the middle row to the last: over a long stretch the
+    staircase of GEMM tiles averages out, where the last two rows alone may lie on one stair).
+    The simulator's calibrated figures (docs/reproduction.md) were made with this rule, so it is
+    the one everybody reads. A table of two rows extrapolates along both, one of a single row
+    in proportion to it; a table whose upper half falls (noise in a short measured one) stays at
+    its last row's time beyond it.
+    """
+
+    def __init__(self, rows: Iterable[tuple[float, float]]) -> None:
+        pts = sorted((int(n), float(ms)) for n, ms in rows)
+        if not pts:
+            raise ValueError("a tokens -> time table needs at least one (tokens, ms) row")
+        self.tokens = [n for n, _ in pts]
+        self.times_ms = [ms for _, ms in pts]
+
+    @classmethod
+    def from_csv(cls, path: str | Path) -> "StepTimeTable":
+        """A `tokens,ms` CSV; a header line and other non-numeric lines are skipped."""
+        rows = []
+        with open(path, newline="") as f:
+            for row in csv.reader(f):
+                try:
+                    rows.append((int(float(row[0])), float(row[1])))
+                except (ValueError, IndexError):
+                    continue
+        if not rows:
+            raise ValueError(f"{path}: no 'tokens,ms' rows found")
+        return cls(rows)
+
+    @property
+    def rows(self) -> list[tuple[int, float]]:
+        return list(zip(self.tokens, self.times_ms))
+
+    def ms(self, n: float) -> float:
+        xs, ys = self.tokens, self.times_ms
+        if n <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_left(xs, n)
+        if i >= len(xs):
+            if len(xs) == 1:
+                return ys[0] * n / max(xs[0], 1)
+            j = min(len(xs) // 2, len(xs) - 2)
+            slope = max((ys[-1] - ys[j]) / max(xs[-1] - xs[j], 1), 0.0)  # noisy rows: never faster past the end
+            return ys[-1] + slope * (n - xs[-1])
+        x0, x1 = xs[i - 1], xs[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - x0) / (x1 - x0)
+
+    def seconds(self, n: float) -> float:
+        return self.ms(n) * 1e-3
 
 
 class PrefillProfile:
@@ -26,10 +86,6 @@ class PrefillProfile:
         if t is None:
             t = self._cache[n] = self.step_time(n)
         return t
-
-    def single(self, num_tokens: int) -> float:
-        """One prompt alone, in one step."""
-        return self._step(max(int(num_tokens), 1))
 
     def batched(self, total_tokens: int) -> float:
         """Prompts of `total_tokens` tokens together: full budget-sized steps, then the remainder."""

@@ -2,7 +2,7 @@
 
 The router owns the windows: when its cursor moves to an instance it opens that instance's
 window (`OpenWindow`; the window start is Algorithm 1's `t_switch`) and closes the previous one
-(`CloseWindow`). Two ways to decide when the cursor moves:
+(`CloseWindow`). Three ways to decide when the cursor moves:
 
 - `mode="paper"` (default): our reading of Algorithm 1. Each request tries the instance that
   took the previous one, then the rest of the cycle; a request that fits nowhere waits in the
@@ -23,6 +23,9 @@ window (`OpenWindow`; the window start is Algorithm 1's `t_switch`) and closes t
 - `mode="fixed_interval"` (ablation, Figs. 15-16): every `interval_frac x S_TTFT` the cursor moves
   on and takes every pending request, subject only to memory.
 
+Each mode is a `RouterMode` object registered by name (modes.py); the router calls it at the
+moments a mode decides and keeps everything else.
+
 Output hold (`output_hold`; default on in reference mode only): the instance whose window is
 open holds its clients' tokens until the window closes or S_TTFT has passed since it opened.
 """
@@ -31,14 +34,12 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
-from ecoserve.cluster.events import Action, CloseWindow, Dispatch, HoldOutput, OpenWindow, ReleaseOutput, SetTimer
+from ecoserve.cluster import reference  # noqa: F401  (registers the "reference" mode)
+from ecoserve.cluster.events import Action, CloseWindow, HoldOutput, OpenWindow, ReleaseOutput, SetTimer
+from ecoserve.cluster.modes import ROUTER_MODES
 from ecoserve.cluster.profile import PrefillProfile
-from ecoserve.cluster.status import InstanceStatus
-
-StatusOf = Callable[[int], InstanceStatus]
-MODES = ("paper", "reference", "fixed_interval")
+from ecoserve.cluster.status import InstanceStatus, StatusOf
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class RouterConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"router mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode not in ROUTER_MODES:
+            raise ValueError(f"router mode must be one of {', '.join(ROUTER_MODES.names())}, got {self.mode!r}")
         if self.slack not in ("mean", "min", "phase"):
             raise ValueError(f"slack must be 'mean', 'min' or 'phase', got {self.slack!r}")
         if self.order not in ("cyclic", "random"):
@@ -63,7 +64,7 @@ class RouterConfig:
 
     @property
     def holds_output(self) -> bool:
-        return self.mode == "reference" if self.output_hold is None else self.output_hold
+        return ROUTER_MODES.get(self.mode).holds_output if self.output_hold is None else self.output_hold
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,11 @@ class MacroInstance:
         self.instances: list[int] = list(instance_ids)
         self.profile = profile
         self.config = config
+        self.mode = ROUTER_MODES.get(config.mode)()
         self.pending: deque[PendingRequest] = deque()
         self.active: int | None = None  # the instance whose window is open
         self.window_start: dict[int, float] = {}  # instance -> when the router last opened its window
-        self.window_routed: dict[int, list[tuple[int, int]]] = {}  # reference: (ms, blocks) routed in the window
-        self._last = 0  # index in `instances` of the instance that took the previous request
+        self.cursor = 0  # index in `instances` of the instance that took the previous request
         self._held: int | None = None
         self._num_opened = 0
         self._rng = random.Random(config.seed)
@@ -109,11 +110,9 @@ class MacroInstance:
         acts = self._close_active()
         self.active = iid
         self.window_start[iid] = now
-        self.window_routed[iid] = []
         self._num_opened += 1
         acts.append(OpenWindow(iid))
-        if self.config.mode == "paper":  # check (1) admits nothing after S_TTFT: close it on time
-            acts.append(SetTimer(self.window_timer("close", iid), now + self.config.ttft_slo))
+        acts += self.mode.opened(self, iid, now)
         if self.config.holds_output:
             self._held = iid
             acts += [HoldOutput(iid), SetTimer(self.window_timer("release", iid), now + self.config.ttft_slo)]
@@ -140,7 +139,7 @@ class MacroInstance:
             return [ReleaseOutput(iid)]
         if self.active is not None and name == self.window_timer("close", self.active):
             if self.active in self.instances and self.instances:
-                self._last = (self.instances.index(self.active) + 1) % len(self.instances)
+                self.cursor = (self.instances.index(self.active) + 1) % len(self.instances)
             return self._close_active()
         return []
 
@@ -149,14 +148,14 @@ class MacroInstance:
         """Insert right after the current position so it joins the rolling cycle promptly."""
         if instance_id in self.instances:
             raise ValueError(f"instance {instance_id} is already in macro instance {self.macro_id}")
-        self.instances.insert(self._last + 1 if self.instances else 0, instance_id)
+        self.instances.insert(self.cursor + 1 if self.instances else 0, instance_id)
 
     def remove_instance(self, instance_id: int) -> list[Action]:
         """Stop routing to it (it drains elsewhere); keep the cycle position stable."""
         i = self.instances.index(instance_id)
         self.instances.pop(i)
-        if i <= self._last:
-            self._last = max(self._last - 1, 0)
+        if i <= self.cursor:
+            self.cursor = max(self.cursor - 1, 0)
         self._agg.pop(instance_id, None)
         return self._close_active() if instance_id == self.active else []
 
@@ -229,58 +228,29 @@ class MacroInstance:
         if n == 0:
             return []
         if self.config.order == "random":
-            first = self._last % n
+            first = self.cursor % n
             rest = [i for i in range(n) if i != first]
             self._rng.shuffle(rest)
             return [first] + rest
-        return [(self._last + k) % n for k in range(n)]
+        return [(self.cursor + k) % n for k in range(n)]
 
     def try_route(self, req: PendingRequest, status_of: StatusOf, now: float) -> int | None:
         for idx in self.candidate_order():
             iid = self.instances[idx]
             if self.check(status_of(iid), req.prompt_len, now, req.queued_time).ok:
-                self._last = idx
+                self.cursor = idx
                 return iid
         return None
 
     def submit(self, request_id: str, prompt_len: int, max_tokens: int, status_of: StatusOf,
                now: float) -> list[Action]:
         """Queue a request and return the actions for what can go now."""
-        req = PendingRequest(request_id, prompt_len, max_tokens, now)
-        if self.config.mode == "reference":
-            from ecoserve.cluster.reference import route_reference
-            return route_reference(self, req, status_of, now)
-        self.pending.append(req)
-        return self.retry(status_of, now) if self.config.mode == "paper" else []
+        return self.mode.submit(self, PendingRequest(request_id, prompt_len, max_tokens, now), status_of, now)
 
     def retry(self, status_of: StatusOf, now: float) -> list[Action]:
-        """Dispatch pending requests FIFO until the head fits nowhere (paper mode)."""
-        acts: list[Action] = []
-        while self.pending and self.config.mode == "paper":
-            head = self.pending[0]
-            iid = self.try_route(head, status_of, now)
-            if iid is None:
-                break
-            self.pending.popleft()
-            acts += self.switch_to(iid, now)
-            acts.append(Dispatch(head.request_id, iid, head.max_tokens))
-        return acts
+        """Dispatch waiting requests that can go now (paper mode: FIFO until the head fits nowhere)."""
+        return self.mode.retry(self, status_of, now)
 
-    def interval_tick(self, status_of: StatusOf, now: float) -> list[Action]:
-        """Fixed-interval ablation: the next instance of the cycle takes every pending request."""
-        if not self.instances:
-            return []
-        self._last = (self._last + 1) % len(self.instances)
-        iid = self.instances[self._last]
-        acts = self.switch_to(iid, now)
-        st = status_of(iid)
-        free = st.free_kv_tokens - self.config.kv_reserve_frac * st.total_kv_tokens
-        while self.pending and self.pending[0].prompt_len + 1 <= free:
-            head = self.pending.popleft()
-            free -= head.prompt_len + 1
-            acts.append(Dispatch(head.request_id, iid, head.max_tokens))
-        return acts
-
-    @property
-    def interval(self) -> float:
-        return self.config.interval_frac * self.config.ttft_slo
+    def tick(self, status_of: StatusOf, now: float) -> list[Action]:
+        """The controller's periodic tick (modes with a `period`: fixed interval)."""
+        return self.mode.tick(self, status_of, now)

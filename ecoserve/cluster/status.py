@@ -6,7 +6,9 @@ calls it on its simulated instances, the live instance process on its engine's s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+from ecoserve.states import Phase
 
 if TYPE_CHECKING:
     from ecoserve.sched.scheduler import Scheduler
@@ -35,12 +37,12 @@ class InstanceStatus:
 
     instance_id: int
     time: float
-    phase: str  # "idle" | "prefill" | "decode"
+    phase: Phase
     t_switch: float
     requests: tuple[RequestState, ...]
     free_kv_tokens: int
     total_kv_tokens: int
-    # Added with the router-commanded windows (issue 8); defaults keep hand-built statuses short.
+    # the defaults keep hand-built statuses short
     num_running: int = 0
     num_waiting: int = 0
     max_num_seqs: int = 1 << 30
@@ -54,6 +56,9 @@ class InstanceStatus:
     @property
     def free_seats(self) -> int:
         return self.max_num_seqs - self.num_running - self.num_waiting
+
+
+StatusOf = Callable[[int], InstanceStatus]  # a driver's reader of the freshest status of an instance
 
 
 def instance_status(instance_id: int, sched: "Scheduler") -> InstanceStatus:

@@ -20,3 +20,30 @@ class Topology:
 
     def macro_of(self, instance_id: int) -> int | None:
         return next((m for m, members in self.macros.items() if instance_id in members), None)
+
+
+@dataclass
+class MacroTopology:
+    """PaDG's macro instances as it holds them: the one copy, which mitosis changes in place.
+
+    Members are listed oldest first (mitosis drains and moves the newest); the routers keep only
+    their rotation order over the members this says they have.
+    """
+
+    macros: dict[int, list[int]]
+    free: list[int] = field(default_factory=list)
+    draining: set[int] = field(default_factory=set)
+
+    def macro_of(self, instance_id: int) -> int | None:
+        return next((m for m, members in self.macros.items() if instance_id in members), None)
+
+    def remove(self, instance_id: int) -> None:
+        """A lost instance leaves its macro instance and the draining set."""
+        for members in self.macros.values():
+            if instance_id in members:
+                members.remove(instance_id)
+        self.draining.discard(instance_id)
+
+    def freeze(self, roles: Mapping[int, Role]) -> Topology:
+        return Topology(dict(roles), {m: tuple(v) for m, v in self.macros.items()}, tuple(self.free),
+                        tuple(sorted(self.draining)))

@@ -150,24 +150,9 @@ def hold(fe: "ClusterEngine", a: ev.HoldOutput | ev.ReleaseOutput) -> None:
 
 
 def scale(fe: "ClusterEngine", a: ev.Scale) -> None:
-    """Mirror a mitosis step into the instances' states and roles (what /cluster shows)."""
+    """A mitosis step: /cluster's states and roles follow the controller's topology."""
     fe.scale_log.append(a)
-    for iid in a.instances:
-        h = fe.board.instances.get(iid)
-        if h is None or h.state == "lost":
-            continue
-        if a.kind == "drain":
-            h.state = "draining"
-        elif a.kind == "release":
-            h.state, h.role = "free", None
-        elif a.kind == "add":
-            h.state, h.role = "ready", a.macro
-        elif a.kind == "split":  # the added instance and those moved form the new macro
-            h.state, h.role = "ready", a.other
-    if a.kind == "merge":
-        for h in fe.board.instances.values():
-            if h.role == a.other:
-                h.role = a.macro
+    assign_roles(fe)
 
 
 def finish(fe: "ClusterEngine", a: ev.FinishRequest) -> None:
@@ -181,18 +166,19 @@ def timer(fe: "ClusterEngine", a: ev.SetTimer) -> None:
 
 
 def assign_roles(fe: "ClusterEngine") -> None:
-    """/cluster's roles at launch: FuDG's prefill / decode, PaDG's macro ids; outside any macro: free."""
-    macros = getattr(fe.controller, "macros", None)
-    for iid, setup in getattr(fe.controller, "setups", {}).items():
+    """/cluster's roles from the controller's topology: FuDG's prefill / decode, PaDG's macro ids; a started
+    instance in no macro instance is free (or draining, while it finishes its requests)."""
+    topo = fe.controller.topology()
+    for iid, role in topo.roles.items():
         h = fe.board.instances.get(iid)
         if h is None:
             continue
-        if setup.role in ("prefill", "decode"):
-            h.role = setup.role
-        elif macros is not None:
-            h.role = next((mid for mid, mac in macros.items() if iid in mac.instances), None)
-            if h.role is None and h.state == "ready":
-                h.state = "free"
+        if role != "both":
+            h.role = role
+        elif topo.macros:
+            h.role = topo.macro_of(iid)
+            if h.state in ("ready", "draining", "free"):
+                h.state = "draining" if iid in topo.draining else "free" if h.role is None else "ready"
 
 
 _ACTIONS: dict[type, Callable[["ClusterEngine", Any], None]] = {

@@ -110,21 +110,3 @@ class InstanceBoard:
     def forget(self, request_id: str) -> None:
         self.routed_at.pop(request_id, None)
         self.first_token_at.pop(request_id, None)
-
-
-def profile_step_time(rows: list[tuple[int, float]]):
-    """An instance's `tokens -> ms` table as `n tokens -> seconds`: linear between rows, and beyond the last two."""
-    pts = sorted((int(n), float(ms)) for n, ms in rows)
-    if not pts:
-        raise ValueError("an instance reported an empty tokens -> time profile")
-    if len(pts) == 1:
-        pts.append((pts[0][0] * 2, pts[0][1] * 2))
-
-    def step_time(n: int) -> float:
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if n <= x1 or (x1, y1) == pts[-1]:
-                if n <= x0 and (x0, y0) == pts[0]:
-                    return y0 * 1e-3
-                return max(y0 + (y1 - y0) * (n - x0) / max(x1 - x0, 1), 0.0) * 1e-3
-        return pts[-1][1] * 1e-3
-    return step_time

@@ -288,10 +288,9 @@ class ClusterEngine:
 
     def scale_by_hand(self, macro: int, delta: int) -> list[dict]:
         """POST /cluster/scale: a mitosis step on `macro` (ValueError when the controller cannot)."""
-        from ecoserve.cluster.manual import scale_by_hand
         if self.controller is None:
             raise ValueError("the cluster is still starting")
-        acts = scale_by_hand(self.controller, macro, delta)
+        acts = self.controller.scale_by_hand(macro, delta)
         apply_actions(self, acts)
         return [{"kind": a.kind, "macro": a.macro, "instances": list(a.instances), "other": a.other}
                 for a in acts if isinstance(a, ev.Scale)]

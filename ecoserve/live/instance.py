@@ -76,10 +76,10 @@ class InstanceLoop:
         return False
 
     def _max_step_ms(self) -> float:
-        from ecoserve.live.board import profile_step_time
+        from ecoserve.cluster.profile import StepTimeTable
 
         budget = self.engine.scheduler.config.max_num_batched_tokens
-        return 1000 * profile_step_time(self.profile)(budget) if self.profile else 0.0
+        return StepTimeTable(self.profile).ms(budget) if self.profile else 0.0
 
     def run(self) -> int:
         """Serve until told to shut down (0), the frontend is gone (3) or the engine failed (ENGINE_DEAD)."""

@@ -78,7 +78,7 @@ def _status(fe: "ClusterEngine", h: InstanceHandle, msg: m.Status, now: float) -
         return  # out of date
     h.status_seq = msg.seq
     fe.board.reported(h, msg.status, msg.last_dispatch_seq, now)
-    fe.post(ev.InstanceReported(fe.board.status_of(h.instance_id)))
+    fe.post(ev.InstanceReported(h.instance_id))
 
 
 def _outputs(fe: "ClusterEngine", h: InstanceHandle, msg: m.Outputs, now: float) -> None:

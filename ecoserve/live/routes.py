@@ -74,7 +74,7 @@ def create_cluster_app(engine, served_model_name: str | None = None, generation_
     @app.get("/cluster")
     async def cluster() -> dict:
         now = time.monotonic()
-        sent = getattr(engine.controller, "num_dispatched", {})  # none before the controller exists
+        sent = engine.controller.summary()["num_dispatched"] if engine.controller is not None else {}
         return {"instances": [{**h.describe(now), "num_dispatched": sent.get(h.instance_id, 0)}
                               for h in engine.board.instances.values()],
                 "counters": dict(engine.counters)}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ecoserve.clock import WallClock
-from ecoserve.cluster.strategies import CONTROLLERS, ControllerOptions, build_controller
+from ecoserve.cluster.strategies import STRATEGIES, ControllerOptions, build_controller, setups_for
 
 if TYPE_CHECKING:  # the frontend imports the engine (torch); `ecoserve instance` must not need it
     from ecoserve.live.frontend import ClusterEngine, FrontendModel, FrontendOptions
@@ -48,7 +48,7 @@ def build_cluster(model: FrontendModel, spec: LiveCluster, options: ControllerOp
     """The ClusterEngine for `spec`: instances to launch with their setups, and the controller factory."""
     from ecoserve.live.frontend import ClusterEngine, FrontendOptions
     clock = WallClock()
-    setups = build_controller(spec.strategy, options, clock, lambda n: 1e-3).setups  # what to launch
+    setups = setups_for(spec.strategy, options)  # what to launch
 
     def args_for(iid: int) -> list[str]:
         s = setups[iid]
@@ -80,7 +80,7 @@ def _pd(text: str) -> tuple[int, int]:
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster (with --strategy: a frontend over instance processes)")
-    g.add_argument("--strategy", default=None, choices=CONTROLLERS.names(),
+    g.add_argument("--strategy", default=None, choices=STRATEGIES.names(),
                    help="serve from --num-instances instance processes with this strategy (default: one "
                         "in-process engine)")
     g.add_argument("--num-instances", type=int, default=2)

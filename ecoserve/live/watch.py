@@ -12,10 +12,11 @@ import time
 from typing import TYPE_CHECKING
 
 from ecoserve.cluster import events as ev
+from ecoserve.cluster.profile import StepTimeTable
 from ecoserve.engine.async_engine import EngineDeadError
 from ecoserve.live import messages as m
 from ecoserve.live.actions import apply_actions, assign_roles
-from ecoserve.live.board import InstanceHandle, profile_step_time
+from ecoserve.live.board import InstanceHandle
 from ecoserve.live.errors import InstanceLostError, RequestTimeoutError
 from ecoserve.live.receive import handle_frame
 
@@ -96,7 +97,7 @@ def check_ready(fe: "ClusterEngine") -> None:
         fe.fail_all(EngineDeadError("no instance joined the cluster"))
         fe.ready.set()
         return
-    fe.controller = fe.controller_factory(profile_step_time(joined[0].ready.profile), fe.board.status_of)
+    fe.controller = fe.controller_factory(StepTimeTable(joined[0].ready.profile).seconds, fe.board.status_of)
     assign_roles(fe)
     fe.ready.set()
     apply_actions(fe, fe.controller.start())

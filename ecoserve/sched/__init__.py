@@ -1,7 +1,5 @@
 from ecoserve.sched.interface import Executor, ScheduledChunk, SchedulerOutput, StepResult
-from ecoserve.sched.policies import POLICIES
+from ecoserve.sched.policy import POLICIES
 from ecoserve.sched.scheduler import Scheduler
-from ecoserve.sched.status import RequestProgress, SchedulerStatus
 
-__all__ = ["Executor", "POLICIES", "RequestProgress", "ScheduledChunk", "Scheduler", "SchedulerOutput",
-           "SchedulerStatus", "StepResult"]
+__all__ = ["Executor", "POLICIES", "ScheduledChunk", "Scheduler", "SchedulerOutput", "StepResult"]

@@ -43,20 +43,8 @@ class SchedulerOutput:
     finished_ids: tuple[str, ...] = ()  # requests that left since the previous step (executors drop their state)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if c.is_prefill)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_tokens - self.num_prefill_tokens
 
 
 @dataclass

@@ -5,35 +5,20 @@ Registered by name; `SchedulerConfig.policy` picks one.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
+from ecoserve.sched import tdpipe  # noqa: F401  (registers "tdpipe")
+from ecoserve.sched.policy import POLICIES, Policy, register
 from ecoserve.sched.step import StepBuilder, decoding, prefilling
 
 if TYPE_CHECKING:  # the scheduler imports this module; policies only receive one
     from ecoserve.sched.scheduler import Scheduler
 
-POLICIES: dict[str, type["Policy"]] = {}
 
-
-def register(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
-    def wrap(cls: type[Policy]) -> type[Policy]:
-        POLICIES[name] = cls
-        cls.name = name
-        return cls
-    return wrap
-
-
-def make_policy(name: str) -> "Policy":
+def make_policy(name: str) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}")
     return POLICIES[name]()
-
-
-class Policy:
-    name = "base"
-
-    def schedule(self, sched: "Scheduler", step: StepBuilder) -> None:
-        raise NotImplementedError
 
 
 def _admit_waiting(sched: "Scheduler", step: StepBuilder, whole_prompts: bool) -> None:
@@ -101,6 +86,3 @@ class TemporalDisaggregation(Policy):
         if step.chunks:
             return
         sched.schedule_running_all(list(sched.running), step)
-
-
-from ecoserve.sched import tdpipe  # noqa: E402,F401  (registers "tdpipe"; it builds on Policy above)

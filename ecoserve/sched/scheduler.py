@@ -17,9 +17,9 @@ from ecoserve.kv.manager import KVCacheManager
 from ecoserve.request import Request, RequestStatus
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 from ecoserve.sched.policies import make_policy
-from ecoserve.sched.status import RequestProgress, SchedulerStatus
 from ecoserve.sched.step import StepBuilder
 from ecoserve.sched.window import PrefillWindow
+from ecoserve.states import Phase
 
 logger = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING
@@ -43,13 +43,13 @@ class Scheduler:
         # neither scheduled again nor preempted until their result is back
         self.in_flight: set[str] = set()
         self.num_preemptions_total = 0
-        self._last_step_phase = "idle"  # "prefill" if the last non-empty step computed a prompt chunk, else "decode"
-        self.last_phase_switch = self.created_at = clock.now()
+        self._last_step_phase: Phase = "idle"  # "prefill" if the last non-empty step computed a prompt chunk
+        self.created_at = clock.now()
         self.window = PrefillWindow()  # commanded by the macro-instance scheduler (temporal policy)
 
     # ---- phase and window (the one definition; see sched/window.py) ------------------------
     @property
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         """"idle" with nothing to run, else the kind of the last step: "prefill" or "decode"."""
         return self._last_step_phase if self.waiting or self.running else "idle"
 
@@ -113,10 +113,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     # ---- the mechanism policies use ------------------------------------------------------
     def is_schedulable(self, req: Request) -> bool:
@@ -221,9 +217,7 @@ class Scheduler:
         chunks = tuple(step.chunks.values())
         self.in_flight.update(step.chunks)
         if chunks:
-            phase = "prefill" if step.has_prefill else "decode"
-            if phase != self._last_step_phase:
-                self._last_step_phase, self.last_phase_switch = phase, self.clock.now()
+            self._last_step_phase = "prefill" if step.has_prefill else "decode"
         # Finished ids ride only on a batch that will run (drivers skip empty ones), else on take_finished_ids().
         finished = self.take_finished_ids() if chunks else ()
         return SchedulerOutput(
@@ -261,14 +255,3 @@ class Scheduler:
                 self.finish_request(req, status)
                 done.append(req)
         return done
-
-    def status(self) -> SchedulerStatus:
-        reqs = tuple(
-            RequestProgress(r.request_id, r.times.arrival, r.times.first_token, r.num_prompt_tokens,
-                            r.num_output_tokens, r.num_computed_tokens, r.status.value)
-            for r in itertools.chain(self.running, self.waiting))
-        return SchedulerStatus(
-            time=self.clock.now(), phase=self.phase, last_phase_switch=self.last_phase_switch,
-            num_running=len(self.running), num_waiting=len(self.waiting),
-            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
-            block_size=self.kv.block_size, num_preemptions=self.num_preemptions_total, requests=reqs)

@@ -1,7 +1,7 @@
 """The batch a policy assembles in one step, and which running requests are prefilling or decoding.
 
 Policies and the scheduler's mechanism both build on this module; it imports neither. The rule for
-a prefill is `interface.is_prefill`; the three loops below run per request per step and spell it
+a prefill is `interface.is_prefill`; the functions below run per request per step and spell it
 inline (a function call there costs ~3% of simulator time); tests/sched checks they agree with it.
 """
 from __future__ import annotations
@@ -12,6 +12,11 @@ from ecoserve.request import Request
 from ecoserve.sched.interface import ScheduledChunk
 
 _new_chunk = tuple.__new__  # ScheduledChunk(...) without the NamedTuple's Python-level __new__ frame
+
+
+def next_is_prefill(req: Request) -> bool:
+    """Is this running request's next chunk a prefill (`is_prefill`)? Tokens are left beyond its newest one."""
+    return len(req.all_token_ids) - req.num_computed_tokens > 1
 
 
 def prefilling(reqs) -> list[Request]:

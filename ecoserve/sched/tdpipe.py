@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ecoserve.request import RequestStatus
-from ecoserve.sched.policies import Policy, register
+from ecoserve.sched.policy import Policy, register
 from ecoserve.sched.predictors import OutputLengthPredictor, make_predictor
+from ecoserve.sched.step import next_is_prefill
 
 if TYPE_CHECKING:
     from ecoserve.request import Request
-    from ecoserve.sched.scheduler import Scheduler, StepBuilder
+    from ecoserve.sched.scheduler import Scheduler
+    from ecoserve.sched.step import StepBuilder
 
 MIDPOINTS = (5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 REFERENCE_BATCH = 256  # decode intensity is relative to the throughput of a 256-token forward pass
@@ -190,8 +192,8 @@ class TDPipe(Policy):
 
     def _prefill(self, sched: "Scheduler", step: "StepBuilder") -> bool:
         """One prefill micro-batch: unfinished prompt chunks first, then whole waiting prompts FCFS."""
-        for req in sched.running:
-            if len(req.all_token_ids) - req.num_computed_tokens > 1 and not step.full():
+        for req in sched.running:  # the live list: a preemption below takes its victim out of the loop
+            if next_is_prefill(req) and not step.full():
                 sched.schedule_running(req, step)
         if step.chunks:
             return True

@@ -8,6 +8,7 @@ from pathlib import Path
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     import ecoserve.sim.tdpipe_experiment  # noqa: F401  (registers the "tdpipe" experiment)
+    from ecoserve.cluster.router import ROUTER_MODES
     from ecoserve.sim.experiments import EXPERIMENTS
     from ecoserve.sim.hardware import GPUS, LINKS
     from ecoserve.sim.models import MODELS
@@ -34,7 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo", type=float, default=None)
     p.add_argument("--tpot-slo", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--router-mode", default="paper", choices=["paper", "reference", "fixed_interval"],
+    p.add_argument("--router-mode", default="paper", choices=ROUTER_MODES.names(),
                    help="ecoserve: the macro-instance router (paper: our reading of Algorithm 1; reference: "
                         "the authors' released scheduler); default %(default)s")
     p.add_argument("--output-hold", default=None, choices=["on", "off"],
@@ -54,6 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from ecoserve.sim.cluster import ClusterSpec
     from ecoserve.sim.experiments import EXPERIMENTS
+    from ecoserve.sim.hardware import GPUS
     from ecoserve.sim.metrics import summarize
     from ecoserve.sim.cluster import build
     from ecoserve.sim.workload import DATASETS, load_trace, synthetic
@@ -78,17 +80,12 @@ def main(args: argparse.Namespace) -> int:
         return 0
     ds = DATASETS.get(args.dataset)
     ttft, tpot = args.ttft_slo or ds.ttft_slo, args.tpot_slo or ds.tpot_slo
-    gpu = {g.lower(): g for g in ("L20", "A800", "A100", "H100", "H200", "RTX4090")}[args.gpu]
-    spec = ClusterSpec(model=args.model, gpu=gpu, tp=args.tp, num_instances=args.num_instances,
+    spec = ClusterSpec(model=args.model, gpu=GPUS.get(args.gpu).name, tp=args.tp, num_instances=args.num_instances,
                        network=args.network, profile=args.profile)
     wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
                                                              seed=args.seed, arrival=args.arrival, cv=args.cv)
-    opts = {}
-    if args.strategy == "ecoserve":
-        opts["router_mode"] = args.router_mode
-        if args.output_hold is not None:
-            opts["router"] = {"output_hold": args.output_hold == "on"}
-    res = build(args.strategy, spec, ttft, tpot, **opts).run(wl, progress=True)
+    router = {"output_hold": args.output_hold == "on"} if args.output_hold is not None else {}
+    res = build(args.strategy, spec, ttft, tpot, router_mode=args.router_mode, router=router).run(wl, progress=True)
     summary = summarize(res.records, ttft, tpot, res.num_submitted)
     out.mkdir(parents=True, exist_ok=True)
     extra = {k: v for k, v in res.extra.items() if k not in ("timeline", "instances")}

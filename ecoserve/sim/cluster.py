@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ecoserve.clock import VirtualClock
-from ecoserve.cluster.events import (STAGING, CloseWindow, Dispatch, FinishRequest, HoldOutput, InstanceStepped,
+from ecoserve.cluster.events import (STAGING, CloseWindow, Dispatch, FinishRequest, HoldOutput, InstanceReported,
                                      OpenWindow, PrefillDone, ReleaseOutput, RequestArrived, RequestFinished,
                                      SetTimer, TimerFired, TransferDone, TransferKV)
-from ecoserve.cluster.strategies import CONTROLLERS, ControllerOptions, build_controller
+from ecoserve.cluster.status import InstanceStatus
+from ecoserve.cluster.strategies import STRATEGIES, ControllerOptions, build_controller
 from ecoserve.config import SchedulerConfig
 from ecoserve.sim.engine import EventLoop
 from ecoserve.sim.events import Event, LinkCompletion, RequestArrival, StepEnd, Timer
@@ -24,7 +25,7 @@ from ecoserve.sim.network import LinkQueue
 from ecoserve.sim.perf import make_perf
 from ecoserve.sim.workload import SimRequest
 
-STRATEGIES = CONTROLLERS
+__all__ = ["STRATEGIES", "ClusterSim", "ClusterSpec", "SimResult", "build"]
 
 
 @dataclass
@@ -80,9 +81,9 @@ class ClusterSim:
             cfg = SchedulerConfig(policy=setup.policy, max_num_seqs=spec.max_num_seqs,
                                   max_num_batched_tokens=setup.max_num_batched_tokens or spec.max_num_batched_tokens)
             self.instances.append(SimInstance(iid, self.perf, self.clock, cfg, self.num_blocks, spec.block_size))
-        kv_path = getattr(self.controller, "kv_path", None)
-        lk = get_link(get_gpu(spec.gpu).intra_node_link if kv_path == "intra_node" else spec.network)
-        self.links = {i: LinkQueue(lk) for i, s in self.controller.setups.items() if s.role == "prefill"}
+        intra = get_gpu(spec.gpu).intra_node_link
+        self.links = {i: LinkQueue(get_link(intra if s.kv_path == "intra_node" else spec.network))
+                      for i, s in self.controller.setups.items() if s.role == "prefill"}
         self._link_next: dict[int, float | None] = {i: None for i in self.links}
         self._nbytes: dict[str, float] = {}
         self.requests: dict[str, SimRequest] = {}
@@ -96,7 +97,7 @@ class ClusterSim:
         self._shown_decode_start: dict[str, float] = {}  # moved later by a hold
         self._active = True
 
-    def status_of(self, iid: int):
+    def status_of(self, iid: int) -> InstanceStatus:
         return self.instances[iid].status()
 
     # ---- actions -> simulated work ---------------------------------------------------------------
@@ -161,7 +162,7 @@ class ClusterSim:
                 self._held_finished.setdefault(iid, []).append((rid, ds))
             else:
                 events.extend(self.record(rid, iid, ds))
-        events.extend(self.apply(self.controller.handle(InstanceStepped(iid))))
+        events.extend(self.apply(self.controller.handle(InstanceReported(iid))))
         if iid in self.links:
             events.extend(self._schedule_link(iid))
         events.extend(self.kick(inst))
@@ -246,11 +247,10 @@ class ClusterSim:
             bar.close()
         return SimResult(self.records, total, self.clock.now(), self.loop.num_handled, self.summary())
 
-    def instance_summaries(self) -> list[dict]:
+    def instance_summaries(self, sent: dict[int, int]) -> list[dict]:
         """Per instance: busy fraction, windows (null without router-commanded windows), share of dispatches."""
         now = max(self.clock.now(), 1e-9)
         windows = self.controller.has_windows
-        sent = self.controller.num_dispatched
         total = max(sum(sent.values()), 1)
         return [{"id": i.instance_id, "busy_fraction": i.busy_time / now,
                  "num_windows": i.sched.window.num_windows if windows else None,
@@ -258,11 +258,13 @@ class ClusterSim:
                  "routed_fraction": sent.get(i.instance_id, 0) / total} for i in self.instances]
 
     def summary(self) -> dict:
-        out = {"instances": self.instance_summaries(), "num_steps": sum(i.num_steps for i in self.instances)}
+        ctrl = self.controller.summary()
+        out = {"instances": self.instance_summaries(ctrl["num_dispatched"]),
+               "num_steps": sum(i.num_steps for i in self.instances)}
         if self.links:
-            out["kv_transferred_gb"] = self.controller.transferred_bytes / 1e9
-        if getattr(self.controller, "mitosis", None) is not None:
-            out["timeline"] = self.controller.timeline
+            out["kv_transferred_gb"] = ctrl["kv_transferred_bytes"] / 1e9
+        if "timeline" in ctrl:
+            out["timeline"] = ctrl["timeline"]
         if self.failed:
             out["failed"] = dict(self.failed)
         return out

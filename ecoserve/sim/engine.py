@@ -25,12 +25,6 @@ class EventLoop:
                 raise ValueError(f"{e!r} is scheduled in the past (now={now:.6f})")
             heapq.heappush(self._heap, (e.key(), e))
 
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def peek_time(self) -> float | None:
-        return self._heap[0][0][0] if self._heap else None
-
     def run(self, sim, until: float | None = None, progress=None) -> None:
         """Pop events in (time, priority, seq) order and let each handle itself."""
         heap, clock = self._heap, self.clock

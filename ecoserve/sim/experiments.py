@@ -76,9 +76,6 @@ def _goodput_any(series, spec, dataset, **kw) -> dict:
     strategy, opts = SERIES[series]
     if strategy == "mooncake":
         return _best_mooncake(spec, dataset, **kw)
-    if strategy == "ecoserve" and "router" in kw:  # an ablation variant: mode from the series unless given
-        kw = {**kw, "router_mode": kw["router"].get("mode", opts["router_mode"]),
-              "router": {k: v for k, v in kw["router"].items() if k != "mode"}}
     return find_goodput(strategy, spec, dataset, **{**opts, **kw})
 
 
@@ -234,13 +231,15 @@ def dynamic_mitosis(out: Path, model="codellama-34b", dataset="sharegpt", step_s
 def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requests=400,
               fixed=(0.25, 0.5, 0.75, 1.0)) -> dict:
     """Figs. 15-16: cyclic vs random order; Algorithm 1 vs fixed-interval routing; slack rules; hold."""
-    variants = {"paper": {}, "reference": {"mode": "reference"}, "random_order": {"order": "random"},
-                "min_slack": {"slack": "min"}, "phase_slack": {"slack": "phase"},
-                "paper_hold": {"output_hold": True}, "reference_no_hold": {"mode": "reference", "output_hold": False},
-                **{f"fixed_{f}": {"mode": "fixed_interval", "interval_frac": f} for f in fixed}}
+    # name -> (router mode, more RouterConfig fields)
+    variants = {"paper": ("paper", {}), "reference": ("reference", {}), "random_order": ("paper", {"order": "random"}),
+                "min_slack": ("paper", {"slack": "min"}), "phase_slack": ("paper", {"slack": "phase"}),
+                "paper_hold": ("paper", {"output_hold": True}),
+                "reference_no_hold": ("reference", {"output_hold": False}),
+                **{f"fixed_{f}": ("fixed_interval", {"interval_frac": f}) for f in fixed}}
     res = {m: {t: {v: _goodput_any("ecoserve", l20_spec(m), dataset, target=t, num_requests=num_requests,
-                                   router=kw)["goodput"] for v, kw in variants.items()} for t in ("p90", "p99")}
-           for m in models}
+                                   router_mode=mode, router=kw)["goodput"] for v, (mode, kw) in variants.items()}
+               for t in ("p90", "p99")} for m in models}
     data = {"dataset": dataset, "goodput": res}
     _save(out, "ablation", data)
     _bar_plot(out, "ablation", {f"{m} {t}": res[m][t] for m in res for t in res[m]}, "goodput (req/s)")
@@ -248,7 +247,7 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
 
 
 # (prompt-step overhead s, s per hybrid decode token) for eager (non-CUDA-graph) prompt steps in vLLM 0.7.3:
-# 5 ms from a published eager-vs-graph decode step gap, 15 / 30 ms from issue 8's prototype, 0.5 ms per
+# 5 ms from a published eager-vs-graph decode step gap, 15 / 30 ms from an earlier prototype of ours, 0.5 ms per
 # hybrid decode as a bracket (docs/reproduction.md, "Step-type costs").
 STEP_COSTS = ((0.0, 0.0), (0.005, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005))
 

@@ -6,7 +6,7 @@ from ecoserve.cluster.status import InstanceStatus, instance_status
 from ecoserve.config import CacheConfig, SchedulerConfig
 from ecoserve.request import Request
 from ecoserve.sampling import SamplingParams
-from ecoserve.sched.interface import SchedulerOutput, StepResult
+from ecoserve.sched.interface import SchedulerOutput, StepResult, is_prefill
 from ecoserve.sched.scheduler import Scheduler
 from ecoserve.sim.perf import StepWork
 
@@ -43,7 +43,7 @@ class SimulatedExecutor:
                 continue
             tokens += q
             seqs += 1
-            if q == 1 and c.samples:
+            if not is_prefill(q, c.samples):  # a decode: one query over its context
                 pairs += start + 1
             else:
                 prompt_tokens += q
@@ -82,10 +82,6 @@ class SimInstance:
         self.sched.add_request(req)
         self._status = None
         return req
-
-    @property
-    def num_unfinished(self) -> int:
-        return self.sched.num_unfinished
 
     def open_window(self) -> None:
         self.sched.open_window()

@@ -6,8 +6,9 @@ A step is described by `StepWork`, the aggregates of its batch. Two models:
   the GEMM tile, plus attention) and memory time (weights, KV reads and writes), plus
   tensor-parallel all-reduces over the intra-node link, pipeline sends and a fixed per-step
   overhead. Efficiencies are per-GPU knobs; L20's are calibrated on the TD-Pipe profile.
-- `TablePerf`: a measured `tokens,ms` CSV, linearly interpolated (extrapolated past its end),
-  plus an optional KV-read term that the tables (prefill-shaped) do not contain.
+- `TablePerf`: a measured `tokens,ms` CSV read by `cluster.profile.StepTimeTable` (linear between
+  rows, extrapolated past its end), plus an optional KV-read term that the tables (prefill-shaped)
+  do not contain.
 
 Both add the step-type costs (`StepTypeCosts`), zero by default: a fixed overhead for a step that
 carries prompt tokens, and an interference term per decode token in a hybrid batch. vLLM 0.7.3
@@ -16,16 +17,16 @@ hybrid steps eagerly; docs/reproduction.md sweeps both parameters.
 """
 from __future__ import annotations
 
-import bisect
-import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from ecoserve.cluster.profile import StepTimeTable
 from ecoserve.sim.hardware import GPU, Link, gpu as get_gpu, link as get_link
 from ecoserve.sim.models import ModelSpec, model as get_model
 from ecoserve.sim.network import allreduce_time
+
 
 class StepWork(NamedTuple):
     """Aggregates of a batch that the models need; built once per step (a NamedTuple: cheap to build)."""
@@ -144,8 +145,7 @@ class RooflinePerf(_Base):
 class TablePerf(_Base):
     """A measured `tokens -> ms` profile (TD-Pipe's `Total Length,Execute Time` CSV)."""
 
-    tokens: list[int]
-    ms: list[float]
+    table: StepTimeTable
     kv_bytes_per_token: float = 0.0  # > 0 adds KV reads at `kv_bandwidth` (tables do not include them)
     kv_bandwidth: float = 1.0
     scale: float = 1.0  # e.g. 1/pp for TD-Pipe's single-GPU-equivalent tables
@@ -153,34 +153,12 @@ class TablePerf(_Base):
 
     @classmethod
     def from_csv(cls, path: str | Path, **kw) -> "TablePerf":
-        rows = []
-        with open(path, newline="") as f:
-            for row in csv.reader(f):
-                try:
-                    rows.append((int(float(row[0])), float(row[1])))
-                except (ValueError, IndexError):
-                    continue  # header
-        if not rows:
-            raise ValueError(f"{path}: no 'tokens,ms' rows found")
-        rows.sort()
-        return cls([r[0] for r in rows], [r[1] for r in rows], **kw)
-
-    def table_ms(self, n: float) -> float:
-        xs, ys = self.tokens, self.ms
-        if n <= xs[0]:
-            return ys[0]
-        i = bisect.bisect_left(xs, n)
-        if i >= len(xs):  # extrapolate linearly along the upper half of the table
-            j = len(xs) // 2  # a long stretch: the staircase of GEMM tiles averages out
-            slope = (ys[-1] - ys[j]) / max(xs[-1] - xs[j], 1)
-            return ys[-1] + slope * (n - xs[-1])
-        x0, x1 = xs[i - 1], xs[i]
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - x0) / (x1 - x0)
+        return cls(StepTimeTable.from_csv(path), **kw)
 
     def work_time(self, w: StepWork) -> float:
         if w.num_tokens <= 0:
             return 0.0
-        t = self.table_ms(w.num_tokens) * 1e-3 * self.scale
+        t = self.table.ms(w.num_tokens) * 1e-3 * self.scale
         if self.kv_bytes_per_token:
             t += w.kv_read_tokens * self.kv_bytes_per_token / self.kv_bandwidth
         return t + self.step_costs.extra(w) if w.num_prompt_tokens else t

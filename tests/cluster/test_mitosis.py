@@ -2,7 +2,7 @@
 from hypothesis import given, settings, strategies as st
 import pytest
 
-from ecoserve.cluster import MitosisConfig, MitosisController
+from ecoserve.cluster import MacroTopology, MitosisConfig, MitosisController
 
 HOT, COLD = 10.0, 0.0  # mean TTFT over / under the 5 s SLO
 
@@ -12,12 +12,12 @@ def ctl(sizes=(6,), free=10, n_lower=6, n_upper=11):
     for m, n in enumerate(sizes):
         macros[m] = list(range(nxt, nxt + n))
         nxt += n
-    return MitosisController(MitosisConfig(n_lower, n_upper, ttft_slo=5.0, cooldown_s=0.0), macros,
-                             free=list(range(nxt, nxt + free)))
+    return MitosisController(MitosisConfig(n_lower, n_upper, ttft_slo=5.0, cooldown_s=0.0),
+                             MacroTopology(macros, free=list(range(nxt, nxt + free))))
 
 
 def all_ids(c):
-    ids = [i for v in c.macros.values() for i in v] + c.free + sorted(c.draining)
+    ids = [i for v in c.macros.values() for i in v] + c.topology.free + sorted(c.topology.draining)
     return ids
 
 
@@ -35,7 +35,7 @@ def test_contract_drains_from_smallest_above_lower_then_merges():
     c = ctl(sizes=(11, 7), free=0)
     acts = c.step(0, {0: COLD, 1: COLD}, {0: 100.0, 1: None})
     assert acts[0].kind == "drain" and acts[0].macro == 1  # the smaller macro instance loses one
-    assert len(c.macros[1]) == 6 and len(c.draining) == 1
+    assert len(c.macros[1]) == 6 and len(c.topology.draining) == 1
     c2 = ctl(sizes=(6, 5), free=0, n_lower=3, n_upper=11)
     acts = c2.step(0, {0: COLD}, {0: 100.0})
     kinds = [a.kind for a in acts]
@@ -56,16 +56,16 @@ def test_no_contraction_while_ttft_is_near_its_slo():
     assert c.step(0, {0: 4.9}, {0: 99.0}) == []
     assert c.step(0, {0: 2.4}, {0: 99.0})[0].kind == "drain"
     loose = MitosisController(MitosisConfig(6, 11, ttft_slo=5.0, contract_below_ttft=1.0, cooldown_s=0.0),
-                              {0: list(range(8))})
+                              MacroTopology({0: list(range(8))}))
     assert loose.step(0, {0: 4.9}, {0: 99.0})[0].kind == "drain"
 
 
 def test_released_instances_return_to_pool():
     c = ctl(sizes=(8,), free=0)
     iid = c.step(0, {}, {0: 99.0})[0].instances[0]
-    assert iid in c.draining and iid not in c.macros[0]
+    assert iid in c.topology.draining and iid not in c.macros[0]
     c.release(iid)
-    assert iid in c.free and iid not in c.draining
+    assert iid in c.topology.free and iid not in c.topology.draining
 
 
 def test_split_needs_room_for_two_macros():
@@ -81,8 +81,8 @@ def test_invariants_under_random_signals(signals):
     for t, (sig, pick) in enumerate(signals):
         ms = sorted(c.macros)
         m = ms[pick % len(ms)]
-        if sig == "release" and c.draining:
-            c.release(sorted(c.draining)[0])
+        if sig == "release" and c.topology.draining:
+            c.release(sorted(c.topology.draining)[0])
             continue
         ttft = {m: HOT if sig == "hot" else COLD}
         saved = {m: 1e9 if sig == "cold" else 0.0}
@@ -90,4 +90,4 @@ def test_invariants_under_random_signals(signals):
         ids = all_ids(c)
         assert sorted(ids) == list(range(total))  # nothing lost or duplicated
         assert all(1 <= len(v) <= 6 for v in c.macros.values())
-        assert not c.draining & {i for v in c.macros.values() for i in v}
+        assert not c.topology.draining & {i for v in c.macros.values() for i in v}

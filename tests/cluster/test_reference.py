@@ -48,17 +48,17 @@ def test_stays_while_the_smallest_budget_exceeds_need_time():
     mac = ref()
     mac.switch_to(0, now=10.0)  # window start 10,000 ms
     # decode slack: 10,000 + 10 iterations x 100 - 10,000 = 1,000 ms > need 500 + 300 (routed in the window)
-    mac.window_routed[0].append((300, 19))
+    mac.mode.window_routed[0].append((300, 19))
     assert dispatched(route(mac, "a", 500, {0: st(0, [decoding("d", 10.0, 11)])})) == [0]
 
 
 def test_switches_when_need_time_exceeds_ttft():
     mac = ref()
     mac.switch_to(0, now=10.0)
-    mac.window_routed[0].append((600, 38))
+    mac.mode.window_routed[0].append((600, 38))
     acts = route(mac, "a", 500, {0: st(0, [decoding("d", 10.0, 11)])})  # need 1,100 > 1,000
     assert acts[:3] == [CloseWindow(0), ReleaseOutput(0), OpenWindow(1)] and dispatched(acts) == [1]
-    assert mac.window_routed[1] == [(500, reference_blocks(500))]  # the window restarts at the switch
+    assert mac.mode.window_routed[1] == [(500, reference_blocks(500))]  # the window restarts at the switch
 
 
 @pytest.mark.parametrize("next_reqs,stays", [
@@ -100,7 +100,7 @@ def test_output_hold_released_at_the_switch_and_at_ttft():
     acts = route(mac, "a", 100, {}, now=10.0)
     timer = next(a for a in acts if isinstance(a, SetTimer))
     assert mac.on_timer(timer.name) == [ReleaseOutput(0)]  # S_TTFT after it became the prefill instance
-    mac.window_routed[0].append((2000, 1))  # force a switch
+    mac.mode.window_routed[0].append((2000, 1))  # force a switch
     acts = route(mac, "b", 100, {0: st(0, [RequestState("a", 10.0, 100, None, 0)])}, now=11.2)
     assert acts[:3] == [CloseWindow(0), OpenWindow(1), HoldOutput(1)]  # 0 was released by its timer already
     acts = route(mac, "c", 2000, {1: st(1, [RequestState("b", 11.2, 100, None, 0)])}, now=11.3)

@@ -148,10 +148,10 @@ def test_output_hold_follows_the_window_and_its_timer():
 
 def test_fixed_interval_ablation_sends_batches_to_the_next_instance():
     r = router([0, 1, 2], mode="fixed_interval", interval_frac=0.25)
-    assert r.interval == 0.25
+    assert r.mode.period(r.config) == 0.25
     for rid in "abc":
         assert r.submit(rid, 100, 1, _fleet({0, 1, 2}), now=10.5) == []
-    assert no_timers(r.interval_tick(lambda iid: status(iid), now=10.75)) == [OpenWindow(1)] + [
+    assert no_timers(r.tick(lambda iid: status(iid), now=10.75)) == [OpenWindow(1)] + [
         Dispatch(x, 1, 1) for x in "abc"]
 
 

@@ -7,11 +7,22 @@ from __future__ import annotations
 
 from ecoserve.cluster import events as ev
 from ecoserve.cluster.baselines import FuDGRouter, NoDGRouter
+from ecoserve.cluster.topology import Topology
 
 STAGING = ev.STAGING
 
 
-class FakeNoDG:
+class _DriverSurface:
+    """The read side of the controller contract: no roles of their own, nothing counted."""
+
+    def topology(self) -> Topology:
+        return Topology({})
+
+    def summary(self) -> dict:
+        return {"num_dispatched": {}}
+
+
+class FakeNoDG(_DriverSurface):
     def __init__(self, instances: list[int], status_of) -> None:
         self.router = NoDGRouter(list(instances))
         self.status_of = status_of
@@ -44,7 +55,7 @@ class FakeNoDG:
         return []
 
 
-class FakeFuDG:
+class FakeFuDG(_DriverSurface):
     """Prefill on the first `num_prefill` instances, KV to STAGING, decode on the one with most free KV."""
 
     def __init__(self, num_prefill: int, num_decode: int, status_of, direct: bool = False) -> None:

@@ -9,8 +9,8 @@ from ecoserve.request import Request
 from ecoserve.sampling import SamplingParams
 from ecoserve.sched import Scheduler, StepResult
 from ecoserve.sched.interface import is_prefill
-from ecoserve.sched.policies import Policy
-from ecoserve.sched.step import decoding, prefilling
+from ecoserve.sched.policy import Policy
+from ecoserve.sched.step import decoding, next_is_prefill, prefilling
 
 BS = 4
 
@@ -55,6 +55,7 @@ def test_prefix_hits_under_preemption_read_only_written_kv(policy, seed):
     while sched.has_unfinished_requests():
         running = list(sched.running)
         assert prefilling(running) == [r for r in running if is_prefill(r.num_tokens - r.num_computed_tokens, True)]
+        assert prefilling(running) == [r for r in running if next_is_prefill(r)]
         assert decoding(running) == [r for r in running if r not in prefilling(running)]
         out = sched.schedule()
         assert out.chunks

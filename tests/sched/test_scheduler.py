@@ -7,6 +7,7 @@ from ecoserve.clock import VirtualClock
 from ecoserve.config import CacheConfig, SchedulerConfig
 from ecoserve.request import Request, RequestStatus
 from ecoserve.sampling import SamplingParams
+from ecoserve.cluster.status import instance_status
 from ecoserve.sched import Scheduler, StepResult
 
 
@@ -44,7 +45,7 @@ def test_every_request_finishes_with_its_tokens_and_no_kv_leaks(policy):
     add_random(sched, 20)
 
     def check(s, out):
-        assert out.num_tokens <= s.config.max_num_batched_tokens
+        assert sum(c.num_tokens for c in out.chunks) <= s.config.max_num_batched_tokens
         assert len(out.chunks) <= s.config.max_num_seqs
         for c in out.chunks:
             assert c.start == c.request.num_computed_tokens
@@ -121,7 +122,7 @@ def test_abort_frees_blocks_and_reports_status():
     add_random(sched, 5, seed=3)
     out = sched.schedule(); clock.advance_to(0.5)
     sched.update(out, StepResult(sampled={c.request.request_id: 7 for c in out.chunks if c.samples}))
-    status = sched.status()
+    status = instance_status(0, sched)
     assert status.num_running + status.num_waiting == 5 and status.phase == "prefill"
     assert {p.request_id for p in status.requests} == {f"r{i}" for i in range(5)}
     sched.abort_requests([f"r{i}" for i in range(5)])

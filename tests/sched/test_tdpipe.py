@@ -123,11 +123,11 @@ def test_phases_prefill_microbatches_and_work_stealing():
     kinds = []
 
     def check(s, out, queue):
-        kinds.append("p" if out.num_prefill_tokens else "d")
-        if out.num_prefill_tokens and len(out.chunks) > 1:  # grows only until n_seqs * max_len >= 192
+        kinds.append("p" if any(c.is_prefill for c in out.chunks) else "d")
+        if any(c.is_prefill for c in out.chunks) and len(out.chunks) > 1:  # grows only until n_seqs * max_len >= 192
             lens = [c.num_tokens for c in out.chunks]
             assert (len(lens) - 1) * max(lens[:-1]) < 192
-        if not out.num_prefill_tokens:
+        if not any(c.is_prefill for c in out.chunks):
             n = len(s.running)
             assert len(out.chunks) <= n // 2 + 1 + 2  # the work-stealing size, plus the absorbed tail
 
@@ -160,6 +160,6 @@ def test_decode_phase_with_nothing_left_to_decode_returns_to_prefill():
     policy = sched.policy
     policy.prefill_mode, policy.decode_count = False, 1
     out = sched.schedule()
-    assert out.num_prefill_tokens > 0 and policy.prefill_mode
+    assert any(c.is_prefill for c in out.chunks) and policy.prefill_mode
     sched.update(out, StepResult(sampled={c.request.request_id: 7 for c in out.chunks if c.samples}))
     drain(sched, clock, in_flight=2)
