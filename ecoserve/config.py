@@ -184,7 +184,7 @@ class EngineArgs:
         EngineConfig.skip_tokenizer_init, "--skip-tokenizer-init",
         help="load no tokenizer: prompts and outputs are token ids only")
     dtype: str = _option(EngineConfig.dtype, "--dtype", choices=DTYPES,
-                         help="weights and activations (auto: float32 on CPU)")
+                         help="weights and activations; auto: float32 on CPU")
     quantization: str | None = _option(
         EngineConfig.quantization, "--quantization", choices=QUANTIZATIONS,
         help="weight-only quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model keeps its "
@@ -242,9 +242,11 @@ class EngineArgs:
             if isinstance(f.default, bool):
                 parser.add_argument(*flag.names, dest=f.name, action="store_false" if f.default else "store_true",
                                     help=flag.help)
-            else:
-                parser.add_argument(*flag.names, dest=f.name, type=flag.type, default=f.default,
-                                    choices=flag.choices, help=flag.help)
+                continue
+            shown = flag.help if f.default is None or "default" in flag.help else f"{flag.help} (default: %(default)s)"
+            metavar = None if flag.choices else flag.names[0].lstrip("-").upper().replace("-", "_")
+            parser.add_argument(*flag.names, dest=f.name, type=flag.type, default=f.default, choices=flag.choices,
+                                help=shown, metavar=metavar)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
