@@ -227,7 +227,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len-range", type=int, nargs=2, default=(32, 512))
     p.add_argument("--output-len-range", type=int, nargs=2, default=(32, 256))
     EngineArgs.add_cli_args(p, skip=("model",))  # --seed: the workload's and the engine's
-    p.add_argument("--policy", dest="scheduling_policy", default=argparse.SUPPRESS, help="the same as --scheduling-policy")
+    p.add_argument("--policy", dest="scheduling_policy", default=argparse.SUPPRESS,
+                   help="the same as --scheduling-policy")
     p.add_argument("--configs", nargs="+", default=None, metavar="SETUP",
                    help="compare these engine setups on the same requests, run one after another in this command "
                         "(--repeat rounds, interleaved): tpN, ppN, tN threads per rank, @policy; e.g. "
