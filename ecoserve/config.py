@@ -268,6 +268,8 @@ class EngineArgs:
         by_name = {f.name: f for f in fields(cls)}
         out: list[str] = []
         for name, value in values.items():
+            if name not in by_name:
+                raise ValueError(f"unknown engine option {name!r}")
             f = by_name[name]
             flag = f.metadata["flag"].names[0]
             if isinstance(f.default, bool):
@@ -283,7 +285,8 @@ class EngineArgs:
         return out
 
     def to_cli_args(self) -> list[str]:
-        """The flags that start an instance or a rank with these options: each one that is not its default."""
+        """The flags that give a fresh process (`ecoserve instance`, a benchmark's child) these options: each one
+        that is not its default."""
         return self.flags(**{f.name: getattr(self, f.name) for f in fields(self)
                              if getattr(self, f.name) != f.default})
 
