@@ -1,14 +1,21 @@
-"""Typed engine configuration with vLLM's option names; validation says what would be right."""
+"""Typed engine configuration with vLLM's option names; validation says what would be right.
+
+`EngineArgs` is the one list of engine options, flat as users pass them (`LLM(model, **kwargs)`, the
+command-line flags, the flags that start a cluster instance); `create_engine_config` sorts them into
+the typed configs below, which hold the defaults.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Collection
 
 # --quantization: none (float weights), gguf (a GGUF file's blocks as stored), int8 (Q8_0 of a float checkpoint)
 QUANTIZATIONS = ("none", "gguf", "int8")
 # --cpu-linear: float32 linears on CPU through torch's F.linear, or oneDNN with prepacked weights; auto
 # (the default) packs them where oneDNN is available and the model is loaded whole in one process
 CPU_LINEARS = ("auto", "torch", "onednn")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -68,6 +75,15 @@ class SchedulerConfig:
               f"max_waiting (--max-waiting-requests) must be >= 1, got {self.max_waiting}")
 
 
+def parse_layer_counts(text: str) -> tuple[int, ...]:
+    """`12,11` -> (12, 11): layers per pipeline stage."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"pp_layer_partition must be comma-separated layer counts such as 12,11, got "
+                         f"{text!r}") from None
+
+
 @dataclass
 class ParallelConfig:
     """How one instance spreads over ranks: tensor parallel inside a stage, pipeline stages in a row."""
@@ -87,11 +103,7 @@ class ParallelConfig:
               f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
         _need(self.step_timeout_s > 0 and self.startup_timeout_s > 0, "step_timeout_s and startup_timeout_s must be > 0")
         if isinstance(self.pp_layer_partition, str):
-            try:
-                self.pp_layer_partition = tuple(int(x) for x in self.pp_layer_partition.split(","))
-            except ValueError:
-                raise ValueError(f"pp_layer_partition must be comma-separated layer counts such as 12,11, got "
-                                 f"{self.pp_layer_partition!r}") from None
+            self.pp_layer_partition = parse_layer_counts(self.pp_layer_partition)
         if self.pp_layer_partition is not None:
             self.pp_layer_partition = tuple(self.pp_layer_partition)
             _need(len(self.pp_layer_partition) == self.pipeline_parallel_size,
@@ -126,9 +138,171 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        _need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-              f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        _need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         _need(self.cpu_linear in CPU_LINEARS, f"cpu_linear must be one of {', '.join(CPU_LINEARS)}; "
                                               f"got {self.cpu_linear!r}")
         _need(self.quantization is None or self.quantization in QUANTIZATIONS,
               f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an `EngineArgs` field is written on the command line (a bool field: a switch away from its default)."""
+
+    names: tuple[str, ...]
+    help: str
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+
+
+def _option(default: Any, *names: str, help: str, type: Callable[[str], Any] = str,
+            choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"flag": Flag(names, help, type, choices)})
+
+
+def _layer_counts_flag(text: str) -> tuple[int, ...]:
+    try:
+        return parse_layer_counts(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_SCHED, _CACHE, _PAR = SchedulerConfig, CacheConfig, ParallelConfig  # the defaults live in the typed configs
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, flat, with vLLM's names: `LLM(model, **kwargs)`, the flags of the commands
+    that build an engine and the flags that start a cluster instance are all these fields."""
+
+    model: str | None = _option(
+        EngineConfig.model, "--model", help="HF dir, hub id or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _option(
+        EngineConfig.tokenizer, "--tokenizer", help="HF tokenizer dir or hub id (default: the model's own)")
+    revision: str | None = _option(EngineConfig.revision, "--revision", help="the hub revision of --model")
+    skip_tokenizer_init: bool = _option(
+        EngineConfig.skip_tokenizer_init, "--skip-tokenizer-init",
+        help="load no tokenizer: prompts and outputs are token ids only")
+    dtype: str = _option(EngineConfig.dtype, "--dtype", choices=DTYPES,
+                         help="weights and activations; auto: float32 on CPU")
+    quantization: str | None = _option(
+        EngineConfig.quantization, "--quantization", choices=QUANTIZATIONS,
+        help="weight-only quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model keeps its "
+             "Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints")
+    cpu_linear: str = _option(
+        EngineConfig.cpu_linear, "--cpu-linear", choices=CPU_LINEARS,
+        help="float32 linear layers on CPU: oneDNN with prepacked weights (onednn), torch's F.linear (torch), or "
+             "auto (default): onednn where torch has it and one process holds the model")
+    device: str = _option(EngineConfig.device, "--device", help="the torch device the model runs on")
+    seed: int = _option(EngineConfig.seed, "--seed", type=int, help="seed of the sampler's random numbers")
+    num_threads: int | None = _option(EngineConfig.num_threads, "--num-threads", type=int,
+                                      help="torch intra-op threads on CPU, per rank (default: torch's)")
+    scheduling_policy: str = _option(
+        _SCHED.policy, "--scheduling-policy",
+        help="which requests get tokens each step: a policy of ecoserve.sched.policies (chunked, prefill_first, "
+             "temporal, tdpipe; default chunked)")
+    max_num_batched_tokens: int = _option(_SCHED.max_num_batched_tokens, "--max-num-batched-tokens", type=int,
+                                          help="tokens per engine step")
+    max_num_seqs: int = _option(_SCHED.max_num_seqs, "--max-num-seqs", type=int, help="requests per engine step")
+    max_model_len: int | None = _option(_SCHED.max_model_len, "--max-model-len", type=int,
+                                        help="prompt plus output tokens per request (default: the model's)")
+    max_waiting: int | None = _option(
+        _SCHED.max_waiting, "--max-waiting-requests", type=int,
+        help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
+    block_size: int = _option(_CACHE.block_size, "--block-size", type=int, help="tokens per KV block")
+    kv_cache_memory_bytes: int | None = _option(
+        _CACHE.kv_cache_memory_bytes, "--kv-cache-memory-bytes", type=int,
+        help="KV cache budget (default on CPU: 1 GiB, or less when max-num-seqs requests at max-model-len need less)")
+    num_gpu_blocks: int | None = _option(_CACHE.num_gpu_blocks, "--num-gpu-blocks", type=int,
+                                         help="KV blocks (overrides the byte budget)")
+    enable_prefix_caching: bool = _option(_CACHE.enable_prefix_caching, "--no-enable-prefix-caching",
+                                          help="do not share the KV blocks of common prompt prefixes")
+    tensor_parallel_size: int = _option(_PAR.tensor_parallel_size, "--tensor-parallel-size", "-tp", type=int,
+                                        help="ranks per pipeline stage")
+    pipeline_parallel_size: int = _option(_PAR.pipeline_parallel_size, "--pipeline-parallel-size", "-pp", type=int,
+                                          help="pipeline stages")
+    pp_layer_partition: tuple[int, ...] | None = _option(
+        _PAR.pp_layer_partition, "--pp-layer-partition", type=_layer_counts_flag,
+        help="layers per stage, e.g. 12,11 (default: floor(L/pp) each, the remainder to the stages before the "
+             "last, which also runs the LM head)")
+    max_concurrent_batches: int | None = _option(_PAR.max_concurrent_batches, "--max-concurrent-batches", type=int,
+                                                 help="batches in flight (default: the pipeline parallel size)")
+    step_timeout_s: float = _option(_PAR.step_timeout_s, "--step-timeout", type=float,
+                                    help="seconds a parallel step may take before the stuck rank is named")
+    startup_timeout_s: float = _option(_PAR.startup_timeout_s, "--startup-timeout", type=float,
+                                       help="seconds the ranks of a parallel instance may take to load their shards")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
+        """Add a flag for each field; a command that gives one its own meaning lists it in `skip`."""
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            flag: Flag = f.metadata["flag"]
+            if isinstance(f.default, bool):
+                parser.add_argument(*flag.names, dest=f.name, action="store_false" if f.default else "store_true",
+                                    help=flag.help)
+                continue
+            shown = flag.help if f.default is None or "default" in flag.help else f"{flag.help} (default: %(default)s)"
+            metavar = None if flag.choices else flag.names[0].lstrip("-").upper().replace("-", "_")
+            parser.add_argument(*flag.names, dest=f.name, type=flag.type, default=f.default, choices=flag.choices,
+                                help=shown, metavar=metavar)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The options of a namespace parsed with `add_cli_args`; fields it has no value for keep their defaults."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
+        """`LLM(model, **kwargs)`'s arguments; an unknown name is an error that says so."""
+        unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)} (the options are the fields of "
+                             f"ecoserve.config.EngineArgs)")
+        return cls(model, **kwargs)
+
+    @classmethod
+    def flags(cls, **values: Any) -> list[str]:
+        """These options as flags, whatever their defaults (a later flag on a command line overrides an earlier one)."""
+        by_name = {f.name: f for f in fields(cls)}
+        out: list[str] = []
+        for name, value in values.items():
+            if name not in by_name:
+                raise ValueError(f"unknown engine option {name!r}")
+            f = by_name[name]
+            flag = f.metadata["flag"].names[0]
+            if isinstance(f.default, bool):
+                if value == f.default:
+                    raise ValueError(f"{flag} only sets {name} to {not f.default}, not {value!r}")
+                out.append(flag)
+            elif value is None:
+                raise ValueError(f"{flag} cannot set {name} to None (its default is {f.default!r})")
+            elif isinstance(value, (tuple, list)):
+                out += [flag, ",".join(str(v) for v in value)]
+            else:
+                out += [flag, str(value)]
+        return out
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that give a fresh process (`ecoserve instance`, a benchmark's child) these options: each one
+        that is not its default."""
+        return self.flags(**{f.name: getattr(self, f.name) for f in fields(self)
+                             if getattr(self, f.name) != f.default})
+
+    def create_engine_config(self) -> EngineConfig:
+        """The typed, validated configuration `LLMEngine` runs."""
+        return EngineConfig(
+            model=self.model, tokenizer=self.tokenizer, revision=self.revision,
+            skip_tokenizer_init=self.skip_tokenizer_init, dtype=self.dtype, quantization=self.quantization,
+            cpu_linear=self.cpu_linear, device=self.device, seed=self.seed, num_threads=self.num_threads,
+            scheduler=SchedulerConfig(policy=self.scheduling_policy, max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                      max_waiting=self.max_waiting),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                              num_gpu_blocks=self.num_gpu_blocks, enable_prefix_caching=self.enable_prefix_caching),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    pipeline_parallel_size=self.pipeline_parallel_size,
+                                    pp_layer_partition=self.pp_layer_partition,
+                                    max_concurrent_batches=self.max_concurrent_batches,
+                                    step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s))

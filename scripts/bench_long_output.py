@@ -80,14 +80,14 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=4096)
     ap.add_argument("--model", default=None, help="reuse a model directory written by an earlier run")
     args = ap.parse_args()
-    from ecoserve.engine.llm import engine_config_from_kwargs
+    from ecoserve.config import EngineArgs
     from ecoserve.engine.llm_engine import LLMEngine
 
     max_len = args.output_len + 64
     model = args.model or make_model(Path(tempfile.mkdtemp()) / "tiny", max_len)
     for r in args.requests:
-        engine = LLMEngine(engine_config_from_kwargs(model, num_threads=1, max_model_len=max_len,
-                                                     max_num_seqs=max(r, 1), max_num_batched_tokens=max(2048, 16 * r)))
+        engine = LLMEngine(EngineArgs(model, num_threads=1, max_model_len=max_len, max_num_seqs=max(r, 1),
+                                      max_num_batched_tokens=max(2048, 16 * r)).create_engine_config())
         prompts = [[3 + (7 * i + j) % 900 for j in range(16)] for i in range(r)]
         run_offline(engine, prompts[:1], 64)  # warm-up
         offline = run_offline(engine, prompts, args.output_len)

@@ -2,29 +2,31 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from ecoserve.config import CPU_LINEARS, QUANTIZATIONS
+from ecoserve.config import QUANTIZATIONS, EngineArgs
 
 _READY_SCRIPT = """
-import sys, time
+import argparse, dataclasses, sys, time
 t0 = float(sys.argv[1])
+from ecoserve.config import EngineArgs
 from ecoserve.engine.llm import LLM
-LLM(None if sys.argv[2] == '-' else sys.argv[2], num_threads=int(sys.argv[3]) or None,
-    quantization=None if sys.argv[4] == '-' else sys.argv[4], cpu_linear=sys.argv[5])
+parser = argparse.ArgumentParser()
+EngineArgs.add_cli_args(parser)
+LLM(**dataclasses.asdict(EngineArgs.from_cli_args(parser.parse_args(sys.argv[2:]))))
 print(time.time() - t0)
 """
 
 
-def measure_startup(model: str | None, num_threads: int, quantization: str | None = None,
-                    cpu_linear: str = "auto") -> float:
+def measure_startup(engine: EngineArgs) -> float:
     """Seconds from launching a fresh Python process to an engine ready to serve (imports included)."""
-    out = subprocess.run([sys.executable, "-c", _READY_SCRIPT, repr(time.time()), model or "-", str(num_threads),
-                          quantization or "-", cpu_linear], check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _READY_SCRIPT, repr(time.time()), *engine.to_cli_args()],
+                         check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -33,14 +35,13 @@ def prompt_token_ids(prompt_len: int) -> list[int]:
     return [100 + i % 1000 for i in range(prompt_len)]
 
 
-def measure_decode(model: str | None, prompt_len: int, output_len: int, num_threads: int,
-                   quantization: str | None = None, profile: bool = False, cpu_linear: str = "auto") -> dict:
+def measure_decode(engine: EngineArgs, prompt_len: int, output_len: int, profile: bool = False) -> dict:
     """Batch-1 greedy decode: wall-clock figures, and process CPU time per output token (robust to a
     shared machine, where wall time includes waiting for a core)."""
     from ecoserve.engine.llm import LLM
     from ecoserve.sampling import SamplingParams
 
-    llm = LLM(model, num_threads=num_threads or None, quantization=quantization, cpu_linear=cpu_linear)
+    llm = LLM(**dataclasses.asdict(engine))
     prompt = {"prompt_token_ids": prompt_token_ids(prompt_len)}
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -61,13 +62,11 @@ def measure_decode(model: str | None, prompt_len: int, output_len: int, num_thre
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("latency", help="start-up time and batch-1 decode speed")
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    EngineArgs.add_cli_args(p, skip=("quantization",))
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-threads", type=int, default=0)
-    p.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
+    p.add_argument("--quantization", dest="quantizations", nargs="+", default=["none"], choices=QUANTIZATIONS,
                    help="one run per value, side by side (e.g. --quantization none gguf)")
-    p.add_argument("--cpu-linear", default="auto", choices=CPU_LINEARS, help="float32 linear layers (see serve)")
     p.add_argument("--compare", choices=["llama-cpp"], default=None,
                    help="also run llama.cpp (llama-cpp-python) on the same GGUF file, prompt and threads")
     p.add_argument("--peer-python", default=sys.executable,
@@ -88,18 +87,19 @@ def main(args: argparse.Namespace) -> int:
     from ecoserve.bench import peers
     from ecoserve.model.loader import gguf_file
 
-    quantizations = [None if q == "none" else q for q in args.quantization]
     if args.compare == "llama-cpp" and gguf_file(args.model) is None:
         raise SystemExit("--compare llama-cpp needs a .gguf model (or the embedded default)")
+    engine = EngineArgs.from_cli_args(args)
+    quantizations = [None if q == "none" else q for q in args.quantizations]
     runs: list[dict] = []
     for quantization in quantizations:
-        startup = measure_startup(args.model, args.num_threads, quantization, args.cpu_linear)
+        startup = measure_startup(dataclasses.replace(engine, quantization=quantization))
         print(f"ecoserve (quantization {quantization or 'none'}) start-up (process start to ready): {startup:.2f} s")
         runs.append({"system": f"ecoserve-{quantization or 'float32'}", "startup_s": startup})
     for round_ in range(args.repeats):
         for quantization, run in zip(quantizations, runs):
-            figures = measure_decode(args.model, args.prompt_len, args.output_len, args.num_threads, quantization,
-                                     args.profile and round_ == 0, args.cpu_linear)
+            figures = measure_decode(dataclasses.replace(engine, quantization=quantization), args.prompt_len,
+                                     args.output_len, args.profile and round_ == 0)
             run.setdefault("rounds", []).append(figures)
             _print_decode(run["system"], figures, args.prompt_len)
             if "profile" in figures:

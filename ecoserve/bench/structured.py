@@ -7,9 +7,12 @@ tokens: every request, constrained or not, decodes exactly --output-len tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
+
+from ecoserve.config import EngineArgs
 
 # At least 64 short strings: never complete within the measured tokens.
 SCHEMA = {"type": "object", "properties": {
@@ -38,10 +41,10 @@ def measure(llm, batch: int, output_len: int, constrained: bool) -> float:
     return statistics.fmean(tpots)
 
 
-def run(model: str | None, batches: list[int], output_len: int, repeats: int, num_threads: int) -> list[dict]:
+def run(engine: EngineArgs, batches: list[int], output_len: int, repeats: int) -> list[dict]:
     from ecoserve.engine.llm import LLM
 
-    llm = LLM(model, num_threads=num_threads, max_num_seqs=max(batches))
+    llm = LLM(**dataclasses.asdict(dataclasses.replace(engine, max_num_seqs=max(batches))))
     measure(llm, 1, 4, constrained=True)  # warm-up: tokenizer for the grammar engine, grammar compiled
     rows = []
     for batch in batches:
@@ -57,17 +60,16 @@ def run(model: str | None, batches: list[int], output_len: int, repeats: int, nu
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("structured", help="TPOT with a JSON-schema constraint vs without")
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    EngineArgs.add_cli_args(p, skip=("max_num_seqs",))  # the largest --batch
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, num_threads=1)
 
 
 def main(args: argparse.Namespace) -> int:
-    rows = run(args.model, args.batch, args.output_len, args.repeats, args.num_threads)
+    rows = run(EngineArgs.from_cli_args(args), args.batch, args.output_len, args.repeats)
     print("| batch | TPOT plain (ms) | TPOT JSON schema (ms) | slowdown |")
     print("|---|---|---|---|")
     for r in rows:

@@ -13,10 +13,10 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ecoserve.config import CPU_LINEARS, QUANTIZATIONS
+from ecoserve.config import EngineArgs
 
 # A random Llama of about 125M parameters, the benchmark's reference model on CPU.
 LLAMA_125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -129,12 +129,13 @@ def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace, setup: Engi
     from ecoserve.engine.llm import LLM
     from ecoserve.sampling import SamplingParams
 
-    setup = setup or EngineSetup(args.tensor_parallel_size, args.pipeline_parallel_size)
+    engine = EngineArgs.from_cli_args(args)
+    setup = setup or EngineSetup(engine.tensor_parallel_size, engine.pipeline_parallel_size)
+    engine = replace(engine, model=model, scheduling_policy=setup.policy or engine.scheduling_policy,
+                     num_threads=setup.threads or engine.num_threads, tensor_parallel_size=setup.tp,
+                     pipeline_parallel_size=setup.pp)
     t0 = time.perf_counter()
-    llm = LLM(model, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              scheduling_policy=setup.policy or args.policy, num_threads=setup.threads or args.num_threads,
-              dtype=args.dtype, quantization=args.quantization, cpu_linear=args.cpu_linear,
-              tensor_parallel_size=setup.tp, pipeline_parallel_size=setup.pp)
+    llm = LLM(**asdict(engine))
     try:
         startup = time.perf_counter() - t0
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
@@ -225,21 +226,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len-range", type=int, nargs=2, default=(32, 512))
     p.add_argument("--output-len-range", type=int, nargs=2, default=(32, 256))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default="chunked")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads per rank")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    EngineArgs.add_cli_args(p, skip=("model",))  # --seed: the workload's and the engine's
+    p.add_argument("--policy", dest="scheduling_policy", default=argparse.SUPPRESS,
+                   help="the same as --scheduling-policy")
     p.add_argument("--configs", nargs="+", default=None, metavar="SETUP",
                    help="compare these engine setups on the same requests, run one after another in this command "
                         "(--repeat rounds, interleaved): tpN, ppN, tN threads per rank, @policy; e.g. "
                         "tp1 tp2 pp2 pp2@tdpipe")
     p.add_argument("--repeat", type=int, default=1, help="rounds of --configs; the median time of each is reported")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
-    p.add_argument("--cpu-linear", default="auto", choices=CPU_LINEARS)
     p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
     p.add_argument("--compare", choices=["hf", "vllm"], default=None,
                    help="also run HF transformers, or vLLM's CPU build (in --peer-python), on the same requests")

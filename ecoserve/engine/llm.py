@@ -6,34 +6,16 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from ecoserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from ecoserve.config import EngineArgs
 from ecoserve.engine.llm_engine import LLMEngine, PromptType
 from ecoserve.request import RequestOutput
 from ecoserve.sampling import SamplingParams
 
-_CACHE_KEYS = {"block_size", "kv_cache_memory_bytes", "num_gpu_blocks", "enable_prefix_caching"}
-_SCHED_KEYS = {"max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_waiting"}
-_PARALLEL_KEYS = {"tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition", "max_concurrent_batches",
-                  "step_timeout_s", "startup_timeout_s"}
-
-
-def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:
-    """Accept vLLM-style flat keyword arguments and sort them into the typed configs."""
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_KEYS}
-    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_KEYS}
-    parallel = {k: kwargs.pop(k) for k in list(kwargs) if k in _PARALLEL_KEYS}
-    if "scheduling_policy" in kwargs:
-        sched["policy"] = kwargs.pop("scheduling_policy")
-    try:
-        return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
-                            parallel=ParallelConfig(**parallel), **kwargs)
-    except TypeError as e:
-        raise ValueError(f"unknown engine option: {e}") from None
-
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(engine_config_from_kwargs(model, **kwargs))
+        """`kwargs`: the fields of `EngineArgs` (vLLM's names: max_num_seqs, max_model_len, ...)."""
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs).create_engine_config())
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ecoserve.cluster.status import InstanceStatus, RequestState
 from ecoserve.live.messages import Ready
 
@@ -42,7 +44,8 @@ class InstanceHandle:
                 "role": self.role, "phase": self.status.phase if self.status else None,
                 "status_age_s": round(now - self.status_received, 3) if self.status else None,
                 "num_requests": len(self.requests), "free_kv_tokens": self.status.free_kv_tokens if self.status
-                else None, "num_windows": self.num_windows, "lost_reason": self.lost_reason}
+                else None, "num_windows": self.num_windows, "lost_reason": self.lost_reason,
+                "engine": msgspec.to_builtins(self.ready.engine) if self.ready else None}
 
 
 def _rebase(st: InstanceStatus, offset: float, routed: dict[str, float], first: dict[str, float]) -> InstanceStatus:

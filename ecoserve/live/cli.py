@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Callable
+from typing import Any
+
+from ecoserve.config import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -12,20 +14,15 @@ def run_instance(args: argparse.Namespace) -> int:
     from ecoserve.live.engines import MockEngine, RealEngine
     from ecoserve.live.instance import InstanceLoop, InstanceOptions
 
+    e = EngineArgs.from_cli_args(args)
     if args.mock_profile:
         from ecoserve.model.default import DEFAULT_MODEL_NAME
-        name = args.served_model_name or args.model or DEFAULT_MODEL_NAME  # a mock of the embedded default
-        engine = MockEngine(args.mock_profile, name, args.scheduling_policy, args.num_gpu_blocks or 4096,
-                            args.block_size, args.max_num_batched_tokens, args.max_num_seqs,
-                            args.max_model_len or 4096)
+        name = args.served_model_name or e.model or DEFAULT_MODEL_NAME  # a mock of the embedded default
+        engine = MockEngine(args.mock_profile, name, e.scheduling_policy, e.num_gpu_blocks or 4096, e.block_size,
+                            e.max_num_batched_tokens, e.max_num_seqs, e.max_model_len or 4096)
     else:
-        from ecoserve.cli import engine_kwargs
-        from ecoserve.engine.llm import engine_config_from_kwargs
         from ecoserve.engine.llm_engine import LLMEngine
-        kwargs = engine_kwargs(args)
-        if args.num_gpu_blocks:
-            kwargs["num_gpu_blocks"] = args.num_gpu_blocks
-        engine = RealEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
+        engine = RealEngine(LLMEngine(e.create_engine_config()))
         if args.served_model_name:
             engine.model_name = args.served_model_name
     try:
@@ -38,15 +35,14 @@ def run_instance(args: argparse.Namespace) -> int:
         engine.close()
 
 
-def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("instance", help="one instance of a cluster (connects to `ecoserve serve --strategy`)",
                               description="Start one engine instance that joins the cluster frontend at --connect.")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--connect", required=True, help="the frontend's instance port, tcp://HOST:PORT")
     p.add_argument("--kv-host", default="127.0.0.1",
                    help="the address this instance's KV receiver binds, reachable by the other instances")
     p.add_argument("--served-model-name", default=None, help="the model identity reported to the frontend")
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (overrides the byte budget)")
     p.add_argument("--mock-profile", default=None, metavar="FILE",
                    help="run no model: sleep each step for this `tokens,ms` CSV's predicted time and emit "
                         "placeholder tokens")

@@ -48,6 +48,7 @@ class RealEngine:
         self.kv_bytes_per_token = engine.kv_bytes_per_token()
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.quantization = engine.loaded.quantization
 
     def add(self, msg: AddRequest) -> None:
         """Queue a request (ValueError for bad input or a duplicate id; nothing changes then)."""
@@ -144,6 +145,7 @@ class MockEngine:
     """
 
     mock = True
+    quantization = None  # no weights
 
     def __init__(self, profile_csv: str, model_name: str, policy: str, num_blocks: int = 4096,
                  block_size: int = 16, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,

@@ -59,7 +59,9 @@ class InstanceLoop:
         self.sock.connect(self.opts.connect)
         self.send(m.Ready(m.PROTOCOL_VERSION, e.model_name, os.getpid(), socket.gethostname(), self.kv.address,
                           sched.kv.num_blocks * sched.kv.block_size, sched.kv.block_size, e.kv_bytes_per_token,
-                          e.max_model_len, self.profile, e.mock, self._max_step_ms()))
+                          e.max_model_len, self.profile, e.mock, self._max_step_ms(),
+                          m.EngineSettings(sched.config.policy, sched.config.max_num_batched_tokens,
+                                           sched.config.max_num_seqs, e.quantization)))
         deadline = time.monotonic() + self.opts.welcome_timeout_s
         while time.monotonic() < deadline:
             if not self.sock.poll(100):

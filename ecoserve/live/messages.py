@@ -16,7 +16,8 @@ from ecoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # 2: AddRequest.num_output_tokens (a grammar continues on the decode leg); 3: Ready.max_step_ms
+# 2: AddRequest.num_output_tokens (a grammar continues on the decode leg); 3: Ready.max_step_ms; 4: Ready.engine
+PROTOCOL_VERSION = 4
 
 
 class Msg(msgspec.Struct, tag=True, frozen=True):
@@ -80,6 +81,15 @@ class Shutdown(Msg):
 
 
 # ---- instance -> frontend ---------------------------------------------------------------------
+class EngineSettings(msgspec.Struct, frozen=True):
+    """The engine options an instance runs with, as it reports them (shown per instance by /cluster)."""
+
+    scheduling_policy: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    quantization: str | None = None  # of the weights it loaded: None (float) | "gguf" | "int8"
+
+
 class Ready(Msg):
     version: int
     model: str  # the model's identity; the frontend refuses an instance serving another one
@@ -95,6 +105,7 @@ class Ready(Msg):
     # the profile read at its full token budget: a step this long sends no heartbeat, which the frontend
     # must not take for a stall (on one CPU core a 2048-token step of a 135M model takes seconds)
     max_step_ms: float = 0.0
+    engine: EngineSettings | None = None
 
 
 class Status(Msg):

@@ -7,12 +7,14 @@ itself is built once they have joined, from the tokens -> time profile they meas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ecoserve.clock import WallClock
 from ecoserve.cluster.strategies import STRATEGIES, ControllerOptions, build_controller, setups_for
+from ecoserve.config import EngineArgs
 
 if TYPE_CHECKING:  # the frontend imports the engine (torch); `ecoserve instance` must not need it
     from ecoserve.live.frontend import ClusterEngine, FrontendModel, FrontendOptions
@@ -52,8 +54,8 @@ def build_cluster(model: FrontendModel, spec: LiveCluster, options: ControllerOp
 
     def args_for(iid: int) -> list[str]:
         s = setups[iid]
-        return [*spec.instance_args, "--scheduling-policy", s.policy,
-                "--max-num-batched-tokens", str(s.max_num_batched_tokens or options.max_num_batched_tokens)]
+        budget = s.max_num_batched_tokens or options.max_num_batched_tokens
+        return [*spec.instance_args, *EngineArgs.flags(scheduling_policy=s.policy, max_num_batched_tokens=budget)]
 
     def factory(step_time, status_of):
         return build_controller(spec.strategy, options, clock, step_time, statuses=status_of)
@@ -130,32 +132,25 @@ def cluster_from_args(args: argparse.Namespace, engine_args: list[str]) -> tuple
     return spec, spec.options(args.slo_ttft, args.slo_tpot, args.max_num_batched_tokens)
 
 
-def engine_cli_args(args: argparse.Namespace) -> list[str]:
-    """The instance-side engine arguments of `ecoserve serve`'s own (they start every instance)."""
-    out = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
-           "--seed", str(args.seed), "--num-threads", str(args.num_threads or 1)]
-    if args.model:
-        out += ["--model", args.model]
-    if args.served_model_name:
-        out += ["--served-model-name", args.served_model_name]
-    if args.max_model_len:
-        out += ["--max-model-len", str(args.max_model_len)]
-    if args.kv_cache_memory_bytes:
-        out += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
-    if not args.enable_prefix_caching:
-        out.append("--no-enable-prefix-caching")
-    return out
+def instance_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """What every instance of `ecoserve serve --strategy` runs: the command's engine arguments, one torch
+    thread unless told, and no waiting-queue limit (the frontend holds the queue)."""
+    engine = EngineArgs.from_cli_args(args)
+    return dataclasses.replace(engine, num_threads=engine.num_threads or 1, max_waiting=None)
 
 
 def make_cluster_engine(args: argparse.Namespace) -> ClusterEngine:
     from ecoserve.live.frontend import FrontendModel, FrontendOptions
     from ecoserve.model.loader import load_model_info
 
-    spec, options = cluster_from_args(args, engine_cli_args(args))
+    instance_args = instance_engine_args(args).to_cli_args()
+    if args.served_model_name:
+        instance_args += ["--served-model-name", args.served_model_name]
+    spec, options = cluster_from_args(args, instance_args)
     loaded = load_model_info(args.model)
     model = FrontendModel(loaded, args.max_model_len)
     fe_opts = FrontendOptions(bind=args.instance_bind, heartbeat_timeout_s=args.heartbeat_timeout,
-                              request_timeout_s=args.request_timeout, max_waiting=args.max_waiting_requests)
+                              request_timeout_s=args.request_timeout, max_waiting=args.max_waiting)
     engine = build_cluster(model, spec, options, fe_opts, args.num_threads or 1)
     if args.served_model_name:
         engine.identity = args.served_model_name

@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from ecoserve.config import EngineArgs
 from ecoserve.server.auth import API_KEY_ENV
 from ecoserve.server.tool_parsers import TOOL_PARSERS
 
@@ -44,9 +45,7 @@ def curl_example(host: str, port: int, model: str) -> str:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from ecoserve.cli import engine_kwargs
     from ecoserve.engine.async_engine import AsyncEngine
-    from ecoserve.engine.llm import engine_config_from_kwargs
     from ecoserve.engine.llm_engine import LLMEngine
     from ecoserve.server.app import create_app
 
@@ -59,9 +58,7 @@ def run_server(args: argparse.Namespace) -> int:
         name = args.served_model_name or engine.engine.model_name
         app = create_cluster_app(engine, name, args.generation_config, **server_options)
     else:
-        kwargs = engine_kwargs(args)
-        kwargs["max_waiting"] = args.max_waiting_requests
-        engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs)))
+        engine = AsyncEngine(LLMEngine(EngineArgs.from_cli_args(args).create_engine_config()))
         name = args.served_model_name or engine.engine.model_name
         app = create_app(engine, name, args.generation_config, **server_options)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -70,11 +67,11 @@ def run_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve a model over the OpenAI API (completions, chat, streaming), "
                                           "with /health, /metrics, /tokenize and /detokenize.")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` "
@@ -83,8 +80,6 @@ def add_parser(subparsers: Any, add_engine_args: Callable[[argparse.ArgumentPars
                    help="auto: sampling fields a request omits take the model's generation_config.json values "
                         "(the embedded model's: temperature 0.2, top_p 0.9); vllm: OpenAI's defaults "
                         "(temperature 1.0, top_p 1.0). Default: %(default)s")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they get an error")
     p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer <key>` on every /v1 route "

@@ -1,7 +1,7 @@
 """LLMEngine hardening: request ids, finished ids across empty steps, delta outputs, prompt logprobs."""
 import pytest
 
-from ecoserve.engine.llm import engine_config_from_kwargs
+from ecoserve.config import EngineArgs
 from ecoserve.engine.llm_engine import SAMPLE_ID_SEP, LLMEngine
 from ecoserve.sampling import SamplingParams
 from tests.utils import make_tiny_checkpoint, prompts
@@ -14,7 +14,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture
 def engine(model_path) -> LLMEngine:
-    return LLMEngine(engine_config_from_kwargs(model_path, num_threads=1, max_model_len=256, num_gpu_blocks=64))
+    return LLMEngine(EngineArgs(model_path, num_threads=1, max_model_len=256, num_gpu_blocks=64).create_engine_config())
 
 
 def run_all(engine: LLMEngine) -> dict[str, list]:
@@ -85,8 +85,8 @@ def test_prompt_logprobs_survive_preemption(model_path):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
 
     def run(**kwargs):
-        engine = LLMEngine(engine_config_from_kwargs(model_path, num_threads=1, max_model_len=256,
-                                                     max_num_batched_tokens=64, **kwargs))
+        engine = LLMEngine(EngineArgs(model_path, num_threads=1, max_model_len=256,
+                                      max_num_batched_tokens=64, **kwargs).create_engine_config())
         for i, p in enumerate(ps):
             engine.add_request(str(i), p, params)
         return {rid: o[-1] for rid, o in run_all(engine).items()}

@@ -55,11 +55,11 @@ def start_server(model: str, max_waiting: int | None = None, app_kwargs: dict | 
 
     `app_kwargs` go to create_app (api_key, metrics_prefix, tool_call_parser); the rest to the engine."""
     from ecoserve.engine.async_engine import AsyncEngine
-    from ecoserve.engine.llm import engine_config_from_kwargs
+    from ecoserve.config import EngineArgs
     from ecoserve.engine.llm_engine import LLMEngine
     from ecoserve.server.app import create_app
 
-    engine = AsyncEngine(LLMEngine(engine_config_from_kwargs(model, **{**ENGINE_KWARGS, **overrides})),
+    engine = AsyncEngine(LLMEngine(EngineArgs(model, **{**ENGINE_KWARGS, **overrides}).create_engine_config()),
                          max_waiting=max_waiting)
     app = create_app(engine, "tiny", **(app_kwargs or {}))
     sock = socket.socket()

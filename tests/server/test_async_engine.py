@@ -8,8 +8,8 @@ import queue
 import httpx
 import pytest
 
+from ecoserve.config import EngineArgs
 from ecoserve.engine.async_engine import _STUCK_POLL_S, AsyncEngine, EngineDeadError, EngineOverloadedError
-from ecoserve.engine.llm import engine_config_from_kwargs
 from ecoserve.engine.llm_engine import LLMEngine
 from ecoserve.sampling import SamplingParams
 from tests.server.conftest import ENGINE_KWARGS
@@ -17,7 +17,7 @@ from tests.server.conftest import ENGINE_KWARGS
 
 @pytest.fixture
 def engine(tiny_model) -> LLMEngine:
-    return LLMEngine(engine_config_from_kwargs(tiny_model, **ENGINE_KWARGS))
+    return LLMEngine(EngineArgs(tiny_model, **ENGINE_KWARGS).create_engine_config())
 
 
 def test_streams_early_close_and_overload(engine):
@@ -126,7 +126,8 @@ class _RecordingQueue(queue.SimpleQueue):
 
 def test_engine_loop_waits_only_when_nothing_is_schedulable(tiny_model):
     """Prompt-chunk steps sample nothing but did work: the loop must go straight on to the next step."""
-    chunky = LLMEngine(engine_config_from_kwargs(tiny_model, **{**ENGINE_KWARGS, "max_num_batched_tokens": 16}))
+    chunky = LLMEngine(EngineArgs(tiny_model, **{**ENGINE_KWARGS, "max_num_batched_tokens": 16})
+                       .create_engine_config())
 
     async def main() -> None:
         ae = AsyncEngine(chunky)

@@ -7,8 +7,8 @@ import logging
 import httpx
 import pytest
 
+from ecoserve.config import EngineArgs
 from ecoserve.engine.async_engine import AsyncEngine
-from ecoserve.engine.llm import engine_config_from_kwargs
 from ecoserve.engine.llm_engine import LLMEngine
 from ecoserve.server.app import create_app
 from tests.server.conftest import ENGINE_KWARGS
@@ -19,7 +19,7 @@ from tests.utils import make_tiny_checkpoint
 def engine(tmp_path_factory) -> LLMEngine:
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("gencfg") / "m", "llama",
                                 generation_config={"temperature": 0.2, "top_p": 0.9, "do_sample": True})
-    return LLMEngine(engine_config_from_kwargs(str(path), **ENGINE_KWARGS))
+    return LLMEngine(EngineArgs(str(path), **ENGINE_KWARGS).create_engine_config())
 
 
 def sent_params(engine: LLMEngine, mode: str, body: dict, caplog) -> list:
