@@ -63,6 +63,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """`ecoserve serve`: the OpenAI server over one in-process engine, or (--strategy) over a cluster frontend."""
+    from ecoserve.server.cli import run_server
+
+    if args.strategy:
+        from ecoserve.live.routes import cluster_router
+        from ecoserve.live.serve import make_cluster_engine
+        cluster = make_cluster_engine(args)
+        return run_server(args, cluster, routers=[cluster_router(cluster)])
+    from ecoserve.engine.async_engine import AsyncEngine
+    from ecoserve.engine.llm import engine_config_from_kwargs
+    from ecoserve.engine.llm_engine import LLMEngine
+    kwargs = engine_kwargs(args)
+    kwargs["max_waiting"] = args.max_waiting_requests
+    return run_server(args, AsyncEngine(LLMEngine(engine_config_from_kwargs(args.model, **kwargs))))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ecoserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="level of ecoserve's own log (libraries log warnings)")
@@ -90,9 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     try:
         from ecoserve.server import cli as server_cli
-        server_cli.add_parser(sub, _add_engine_args)
+        serve = server_cli.add_parser(sub, _add_engine_args)
     except ImportError:
         pass
+    else:
+        from ecoserve.live.serve import add_cluster_args
+        add_cluster_args(serve)
+        serve.set_defaults(func=_serve)
     from ecoserve.live import cli as live_cli
     live_cli.add_parser(sub, _add_engine_args)
     try:
