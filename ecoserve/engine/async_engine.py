@@ -5,6 +5,9 @@ the engine itself stays single-threaded. Each request's outputs reach its consum
 loop through `loop.call_soon_threadsafe`; outputs carry deltas, so every one is queued for the
 consumer. However a stream ends before its request finishes (closed, its consumer gone, or never
 started and dropped) the request is aborted and forgotten.
+
+It is the server's `EngineClient` (server/engine_client.py) for one in-process engine; `ModelFacts`,
+the engine errors and the step observer are what every such client shares with the server.
 """
 from __future__ import annotations
 
