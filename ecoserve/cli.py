@@ -26,6 +26,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """`ecoserve serve`: the OpenAI server over one in-process engine, or (--strategy) over a cluster frontend."""
+    from ecoserve.server.cli import run_server
+
+    if args.strategy:
+        from ecoserve.live.routes import cluster_router
+        from ecoserve.live.serve import make_cluster_engine
+        cluster = make_cluster_engine(args)
+        return run_server(args, cluster, routers=[cluster_router(cluster)])
+    from ecoserve.engine.async_engine import AsyncEngine
+    from ecoserve.engine.llm_engine import LLMEngine
+    return run_server(args, AsyncEngine(LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ecoserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="level of ecoserve's own log (libraries log warnings)")
@@ -53,9 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     try:
         from ecoserve.server import cli as server_cli
-        server_cli.add_parser(sub)
+        serve = server_cli.add_parser(sub)
     except ImportError:
         pass
+    else:
+        from ecoserve.live.serve import add_cluster_args
+        add_cluster_args(serve)
+        serve.set_defaults(func=_serve)
     from ecoserve.live import cli as live_cli
     live_cli.add_parser(sub)
     try:

@@ -5,6 +5,9 @@ the engine itself stays single-threaded. Each request's outputs reach its consum
 loop through `loop.call_soon_threadsafe`; outputs carry deltas, so every one is queued for the
 consumer. However a stream ends before its request finishes (closed, its consumer gone, or never
 started and dropped) the request is aborted and forgotten.
+
+It is the server's `EngineClient` (server/engine_client.py) for one in-process engine; `ModelFacts`,
+the engine errors and the step observer are what every such client shares with the server.
 """
 from __future__ import annotations
 
@@ -14,11 +17,20 @@ import logging
 import queue
 import threading
 import weakref
-from typing import Any, Protocol
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ecoserve.engine.llm_engine import LLMEngine
 from ecoserve.request import RequestOutput
 from ecoserve.sampling import SamplingParams
+from ecoserve.structured import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from ecoserve.engine.guided import GrammarCompiler
+    from ecoserve.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +49,31 @@ class EngineOverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a client of an engine reads about the model it serves (no weights)."""
+
+    name: str  # as the user named it: the default served model name
+    path: Path  # where its files are
+    tokenizer: Any  # None for a model served without one
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    generation_defaults: Mapping[str, Any]  # the sampling fields of its generation_config.json
+
+    @classmethod
+    def of(cls, loaded: "LoadedModel", max_model_len: int) -> "ModelFacts":
+        return cls(loaded.name, loaded.path, loaded.tokenizer, loaded.spec.vocab_size, loaded.eos_token_ids,
+                   max_model_len, dict(loaded.generation_defaults))
+
+
+async def check_grammar(compiler: "GrammarCompiler | None", spec: StructuredOutputsParams) -> None:
+    """Compile `spec` on the grammar thread; ValueError for a bad grammar or a model without a tokenizer."""
+    if compiler is None:
+        raise ValueError("structured outputs need a tokenizer, and this server has none")
+    await asyncio.wrap_future(compiler.submit(spec))
 
 
 class StepObserver(Protocol):
@@ -72,7 +109,6 @@ class RequestStream:
     """
 
     def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream) -> None:
-        self.request_id = request_id
         self._stream = stream
         self._release = weakref.finalize(self, engine._forget, request_id, stream)
 
@@ -105,9 +141,12 @@ _IDLE_CHECK_S = 0.5  # how often an idle engine checks its executor (a parallel 
 
 
 class AsyncEngine:
+    """The in-process engine as the server's `EngineClient`."""
+
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
                  observer: StepObserver | None = None) -> None:
         self.engine = engine
+        self.model = ModelFacts.of(engine.loaded, engine.max_model_len)
         self.max_waiting = engine.config.scheduler.max_waiting if max_waiting is None else max_waiting
         self.observer = observer
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -138,7 +177,13 @@ class AsyncEngine:
         return len(self._streams)
 
     def begin_shutdown(self, grace_s: float) -> None:
-        """Refuse new requests; those still running after `grace_s` seconds get an error."""
+        """Refuse new requests; those still running after `grace_s` seconds get an error.
+
+        Safe from any thread (a signal handler); a no-op before `start`."""
+        if self._loop is not None:
+            self._call_soon(self._begin_shutdown, grace_s)
+
+    def _begin_shutdown(self, grace_s: float) -> None:
         if not self._accepting:
             return
         self._accepting = False
@@ -204,6 +249,14 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def check_grammar(self, spec: StructuredOutputsParams) -> None:
+        """A bad grammar is a ValueError here, before any request starts."""
+        guided = self.engine.guided
+        await check_grammar(guided.compiler if guided is not None else None, spec)
+
+    def metrics_collectors(self, model_name: str, prefix: str) -> list[Any]:
+        return [SchedulerCollector(self.engine, model_name, prefix)]
 
     # ---- the loop side -------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -289,3 +342,30 @@ class AsyncEngine:
             logger.exception("the engine loop died")
             self.dead_error = e
             self._call_soon(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+
+
+class SchedulerCollector:
+    """/metrics gauges and monotonic counters the engine already keeps, read at scrape time."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, prefix: str) -> None:
+        self.engine, self.model_name, self.prefix = engine, model_name, prefix
+
+    def collect(self):
+        sched, kv, stats = self.engine.scheduler, self.engine.scheduler.kv, self.engine.stats
+        label = [self.model_name]
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", len(sched.running)),
+                ("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting)),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", kv.usage)):
+            g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            yield g
+        for name, doc, value in (
+                ("prompt_tokens", "Prompt tokens of accepted requests.", stats["prompt_tokens"]),
+                ("generation_tokens", "Generated tokens.", stats["generation_tokens"]),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits),
+                ("num_preemptions", "Preemptions (by recompute).", sched.num_preemptions_total)):
+            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            yield c

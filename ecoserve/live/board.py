@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
 from ecoserve.cluster.status import InstanceStatus, RequestState
+from ecoserve.cluster.topology import Topology
 from ecoserve.live.messages import Ready
+from ecoserve.states import InstanceState, Phase, Role
 
-STATES = ("starting", "ready", "draining", "free", "lost")
+HandleState = Literal["starting", "ready", "lost"]  # what the driver itself knows; the rest is the topology's
 
 
 @dataclass
@@ -23,8 +26,7 @@ class InstanceHandle:
     instance_id: int
     identity: bytes | None = None  # its ZeroMQ routing id, once connected
     ready: Ready | None = None
-    state: str = "starting"
-    role: str | int | None = None  # macro id (PaDG), "prefill" / "decode" (FuDG), None (NoDG)
+    state: HandleState = "starting"
     pid: int | None = None
     host: str | None = None
     last_heard: float = 0.0
@@ -39,13 +41,44 @@ class InstanceHandle:
     window_open: bool = False
     held: bool = False  # output hold (reference mode)
 
-    def describe(self, now: float) -> dict:
-        return {"id": self.instance_id, "pid": self.pid, "host": self.host, "state": self.state,
-                "role": self.role, "phase": self.status.phase if self.status else None,
-                "status_age_s": round(now - self.status_received, 3) if self.status else None,
-                "num_requests": len(self.requests), "free_kv_tokens": self.status.free_kv_tokens if self.status
-                else None, "num_windows": self.num_windows, "lost_reason": self.lost_reason,
-                "engine": msgspec.to_builtins(self.ready.engine) if self.ready else None}
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One instance as /cluster and /metrics show it: what the driver knows, placed in the controller's topology."""
+
+    id: int
+    pid: int | None
+    host: str | None
+    state: InstanceState
+    role: Role | int | None  # macro id (PaDG), "prefill" / "decode" (FuDG), None (NoDG, outside any macro)
+    phase: Phase | None
+    status_age_s: float | None
+    num_requests: int
+    free_kv_tokens: int | None
+    num_windows: int
+    lost_reason: str | None
+    num_dispatched: int
+    engine: dict | None  # the engine settings the instance reported in its Ready
+
+
+def view_of(h: InstanceHandle, topology: Topology | None, num_dispatched: int, now: float) -> InstanceView:
+    """`topology` None: no controller yet, so no roles and no free or draining instances."""
+    state: InstanceState = h.state
+    role: Role | int | None = None
+    if topology is not None:
+        iid = h.instance_id
+        if h.state == "ready" and iid in topology.draining:
+            state = "draining"
+        elif h.state == "ready" and iid in topology.free:
+            state = "free"
+        macro = topology.macro_of(iid)
+        split_role = topology.roles.get(iid)
+        role = macro if macro is not None else split_role if split_role in ("prefill", "decode") else None
+    st = h.status
+    return InstanceView(h.instance_id, h.pid, h.host, state, role, st.phase if st else None,
+                        now - h.status_received if st else None, len(h.requests), st.free_kv_tokens if st else None,
+                        h.num_windows, h.lost_reason, num_dispatched,
+                        msgspec.to_builtins(h.ready.engine) if h.ready else None)
 
 
 def _rebase(st: InstanceStatus, offset: float, routed: dict[str, float], first: dict[str, float]) -> InstanceStatus:

@@ -1,33 +1,41 @@
-"""ClusterEngine: the frontend of a live cluster, offering the AsyncEngine interface the server uses.
+"""ClusterEngine: the frontend of a live cluster, the server's `EngineClient` over instance processes.
 
-It owns the tokenizer-side model facts, a cluster controller (the routing policy, from
-`ecoserve.cluster`), one ZeroMQ ROUTER socket that every instance connects to, and the board of
-instances. Requests enter here and become events for the controller; the controller's actions are
-carried out by `actions.py`, instance messages are read by `receive.py`, and `watch.py` watches
-heartbeats, exits and deadlines. Everything runs on the server's event loop; every wait has a deadline.
+It owns the model facts the server reads, a cluster controller (the routing policy, from
+`ecoserve.cluster`), one ZeroMQ ROUTER socket that every instance connects to, the board of
+instances and the requests. Requests enter here and become events for the controller; three
+collaborators do the rest: the `Dispatcher` carries out the controller's actions, the `Receiver`
+reads the instances' messages, the `HealthWatch` watches heartbeats, exits and deadlines.
+Everything runs on the server's event loop; every wait has a deadline.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
 
 from ecoserve.cluster import events as ev
-from ecoserve.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineShutdownError
+from ecoserve.cluster.profile import StepTimeTable
+from ecoserve.engine.async_engine import (EngineDeadError, EngineOverloadedError, EngineShutdownError, ModelFacts,
+                                          StepObserver, check_grammar)
+from ecoserve.engine.guided import GrammarCompiler
+from ecoserve.engine.llm_engine import validate_params
 from ecoserve.live import messages as m
-from ecoserve.live.actions import apply_actions
-from ecoserve.live.board import InstanceBoard, InstanceHandle
+from ecoserve.live.actions import Dispatcher
+from ecoserve.live.board import InstanceBoard, InstanceHandle, InstanceView, view_of
 from ecoserve.live.errors import UnroutableError
+from ecoserve.live.launchers import Launcher
+from ecoserve.live.receive import Receiver
 from ecoserve.live.requests import LiveRequest
-from ecoserve.live.watch import lose, receive, watch
+from ecoserve.live.routes import ClusterCollector
+from ecoserve.live.shared import FrontendOptions
+from ecoserve.live.watch import HealthWatch
 from ecoserve.request import RequestOutput
 from ecoserve.sampling import SamplingParams
+from ecoserve.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -35,66 +43,34 @@ logger = logging.getLogger(__name__)
 ControllerFactory = Callable[[Callable[[int], float], Callable[[int], Any]], Any]
 
 
-@dataclass(frozen=True)
-class FrontendOptions:
-    bind: str = "tcp://127.0.0.1:0"  # the port instances connect to (0: any free port)
-    heartbeat_timeout_s: float = 2.0  # an instance silent this long is lost
-    ping_interval_s: float = 0.5
-    request_timeout_s: float = 600.0  # every request ends by then
-    kv_transfer_timeout_s: float = 10.0
-    ready_timeout_s: float = 300.0  # launched instances that have not joined by then are lost
-    max_waiting: int | None = None
-
-
-class FrontendModel:
-    """What the server handlers read as `engine.engine`: tokenizer and serving facts, no weights."""
-
-    def __init__(self, loaded, max_model_len: int | None = None) -> None:
-        from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder
-
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.name
-        self.max_model_len = max_model_len or loaded.max_model_len
-        # Grammars are compiled here to refuse a bad one with a 400; the instances compile their own.
-        self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size,
-                                                    sorted(loaded.eos_token_ids))) if self.tokenizer else None
-
-    def validate_params(self, params: SamplingParams) -> SamplingParams:
-        from ecoserve.engine.llm_engine import validate_params
-
-        return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
-
-
 class ClusterEngine:
-    def __init__(self, model: FrontendModel, controller_factory: ControllerFactory, instance_ids: list[int],
-                 launcher: Any | None = None, options: FrontendOptions = FrontendOptions(),
-                 observer: Any | None = None, identity: str | None = None) -> None:
-        self.engine = model
+    def __init__(self, model: ModelFacts, controller_factory: ControllerFactory, instance_ids: list[int],
+                 launcher: Launcher | None = None, options: FrontendOptions = FrontendOptions(),
+                 observer: StepObserver | None = None, identity: str | None = None) -> None:
+        self.model = model
+        self.observer = observer
+        self.dead_error: BaseException | None = None
+        # Grammars are compiled here to refuse a bad one with a 400; the instances compile their own.
+        self._grammars = GrammarCompiler(model.tokenizer, model.vocab_size,
+                                         sorted(model.eos_token_ids)) if model.tokenizer else None
         self.controller_factory = controller_factory
         self.controller: Any = None  # built once every launched instance has joined (it needs their profile)
         self.launcher = launcher
         self.opts = options
-        self.observer = observer
-        self.max_waiting = options.max_waiting
-        self.identity = identity or model.model_name  # instances must report this model
         self.board = InstanceBoard()
         self.planned = list(instance_ids)
         self.requests: dict[str, LiveRequest] = {}
-        self.counters = {"reroutes": 0, "instance_deaths": 0, "kv_bytes_moved": 0, "refused_instances": 0}
-        self.scale_log: list[ev.Scale] = []
-        self.transfer_ids = itertools.count(1)
+        self.dispatcher = Dispatcher(self, model.max_model_len, options.kv_transfer_timeout_s)
+        self.receiver = Receiver(self, self.dispatcher, identity or model.name, self.planned, launcher is not None)
+        self.health = HealthWatch(self, options, launcher)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self.sock: zmq.asyncio.Socket | None = None
         self.address: str | None = None
         self._tasks: list[asyncio.Task] = []
-        self.early: list[ev.Event] = []  # joins and arrivals before the controller exists
+        self._early: list[ev.Event] = []  # joins and arrivals before the controller exists
         self.ready = asyncio.Event()
-        self.ready_deadline = float("inf")  # set at start: launched instances must have joined by then
         self._accepting = True
-        self.dead_error: BaseException | None = None
-        self.pid_to_id: dict[int, int] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -117,16 +93,10 @@ class ClusterEngine:
             for iid in self.planned:
                 pid = self.launcher.launch(iid, self.address)
                 if pid is not None:
-                    self.pid_to_id[pid] = iid
-        self.ready_deadline = time.monotonic() + self.opts.ready_timeout_s
-        self._tasks = [asyncio.create_task(receive(self)), asyncio.create_task(watch(self))]
+                    self.receiver.expect(pid, iid)
+        self.health.arm()
+        self._tasks = [asyncio.create_task(self.receiver.run(self.sock)), asyncio.create_task(self.health.run())]
         logger.info("frontend listening on %s for %d instance(s)", self.address, len(self.planned))
-
-    def call_later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
-        self._loop.call_later(delay_s, fn, *args)
-
-    async def wait_ready(self, timeout_s: float) -> None:
-        await asyncio.wait_for(self.ready.wait(), timeout_s)
 
     @property
     def is_running(self) -> bool:
@@ -137,11 +107,18 @@ class ClusterEngine:
         return len(self.requests)
 
     def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new requests; fail those still running after `grace_s`. Safe from any thread (a signal handler)."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._begin_shutdown, grace_s)
+            except RuntimeError:  # the loop has closed
+                pass
+
+    def _begin_shutdown(self, grace_s: float) -> None:
         if not self._accepting:
             return
         self._accepting = False
-        assert self._loop is not None
-        self._loop.call_later(grace_s, self.fail_all, EngineShutdownError("the server is shutting down"))
+        self.call_later(grace_s, self.fail_all, EngineShutdownError("the server is shutting down"))
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         self._accepting = False
@@ -158,7 +135,29 @@ class ClusterEngine:
             self.sock.close(0)
             self._ctx.term()
 
-    # ---- the AsyncEngine interface -----------------------------------------------------------
+    def check_ready(self) -> None:
+        """Once every launched instance joined (or was lost): build the controller, replay what waited."""
+        if self.ready.is_set() or any(self.board[i].state == "starting" for i in self.planned):
+            return
+        joined = [h for h in self.board.instances.values() if h.ready is not None]
+        if not joined:
+            self.dead_error = RuntimeError("no instance joined the cluster")
+            self.fail_all(EngineDeadError("no instance joined the cluster"))
+            self.ready.set()
+            return
+        self.controller = self.controller_factory(StepTimeTable(joined[0].ready.profile).seconds,
+                                                 self.board.status_of)
+        self.ready.set()
+        self.dispatcher.apply(self.controller.start())
+        early, self._early = self._early, []
+        for event in early:
+            if not isinstance(event, ev.RequestArrived) or event.request_id in self.requests:
+                self.post(event)
+        for h in self.board.instances.values():
+            if h.state == "lost" and h.ready is not None:
+                self.post(ev.InstanceLost(h.instance_id))
+
+    # ---- requests ----------------------------------------------------------------------------
     def num_waiting(self) -> int:
         return sum(1 for r in self.requests.values() if r.instance is None)
 
@@ -168,27 +167,28 @@ class ClusterEngine:
             raise EngineDeadError(f"the cluster frontend failed: {self.dead_error!r}")
         if not self._accepting or self._loop is None:
             raise EngineShutdownError("the server is shutting down" if self._loop else "the cluster is not started")
-        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
-            raise EngineOverloadedError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+        max_waiting = self.opts.max_waiting
+        if max_waiting is not None and self.num_waiting() >= max_waiting:
+            raise EngineOverloadedError(f"the waiting queue is full ({max_waiting} requests); retry later")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._validate(prompt_token_ids)
-        params = self.engine.validate_params(params)
+        params = validate_params(params, self.model.vocab_size, self.model.tokenizer is not None)
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
         req = LiveRequest(request_id, prompt, list(prompt_token_ids), params, arrival,
                           now + self.opts.request_timeout_s)
         self.requests[request_id] = req
         self.post(ev.RequestArrived(request_id, len(req.prompt_token_ids),
-                                    req.remaining_tokens(self.engine.max_model_len), arrival))
+                                    req.remaining_tokens(self.model.max_model_len), arrival))
         return self._iterate(req)
 
     def _validate(self, ids: list[int]) -> None:
+        max_len, vocab = self.model.max_model_len, self.model.vocab_size
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if len(ids) > self.engine.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len ({self.engine.max_model_len})")
-        vocab = self.engine.loaded.spec.vocab_size
+        if len(ids) > max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len ({max_len})")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
@@ -215,12 +215,15 @@ class ClusterEngine:
             self.observer.on_abort([request_id])
         self.post(ev.RequestAborted(request_id))
 
-    # ---- what the action, receive and watch modules share ---------------------------------------
+    async def check_grammar(self, spec: StructuredOutputsParams) -> None:
+        await check_grammar(self._grammars, spec)
+
+    # ---- what the collaborators share (`shared.Frontend`) ------------------------------------
     def post(self, event: ev.Event) -> None:
         """An event to the controller; its actions are carried out at once."""
         if self.controller is None:
             if isinstance(event, (ev.RequestArrived, ev.InstanceJoined)):
-                self.early.append(event)
+                self._early.append(event)
             return  # statuses are read from the board on demand; nothing else can happen yet
         try:
             actions = self.controller.handle(event)
@@ -228,7 +231,7 @@ class ClusterEngine:
             logger.exception("the cluster controller failed on %s", type(event).__name__)
             self._end_stranded(event, err)
             return
-        apply_actions(self, actions)
+        self.dispatcher.apply(actions)
 
     def _end_stranded(self, event: ev.Event, err: Exception) -> None:
         """A controller that could not act must not leave requests waiting for their deadline: end the
@@ -248,10 +251,12 @@ class ClusterEngine:
             self.sock.send_multipart([h.identity, m.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: its connection is gone
             if h.state != "lost":
-                lose(self, h, f"send failed: {e}")
+                self.health.lose(h, f"send failed: {e}")
+
+    def call_later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
+        self._loop.call_later(delay_s, fn, *args)
 
     def end(self, req: LiveRequest, error: BaseException | None = None) -> None:
-        """Forget a request; abort it wherever it still runs; hand `error` to its client."""
         req.done = True
         self.requests.pop(req.request_id, None)
         self.board.forget(req.request_id)
@@ -264,7 +269,6 @@ class ClusterEngine:
             req.outputs.put_nowait(error)
 
     def fail(self, req: LiveRequest, error: BaseException) -> None:
-        """End a request with `error` and tell the controller it is gone."""
         self.end(req, error)
         self.post(ev.RequestAborted(req.request_id))
 
@@ -273,7 +277,6 @@ class ClusterEngine:
             self.end(req, error)
 
     def deliver(self, req: LiveRequest) -> None:
-        """The request's news to its client, unless its instance's output is held."""
         out = req.output()
         h = self.board.instances.get(req.instance) if req.instance is not None else None
         if h is not None and h.held and not out.finished:
@@ -286,11 +289,27 @@ class ClusterEngine:
         if self.observer is not None:
             self.observer.on_step([out])
 
+    # ---- what /cluster and /metrics show -------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, int]:
+        return {"reroutes": self.dispatcher.reroutes, "instance_deaths": self.health.deaths,
+                "kv_bytes_moved": self.dispatcher.kv_bytes_moved, "refused_instances": self.receiver.refused}
+
+    def views(self) -> list[InstanceView]:
+        """Every instance: the driver's own knowledge, placed in the controller's topology once there is one."""
+        now = time.monotonic()
+        topology = self.controller.topology() if self.controller is not None else None
+        sent = self.controller.summary()["num_dispatched"] if self.controller is not None else {}
+        return [view_of(h, topology, sent.get(h.instance_id, 0), now) for h in self.board.instances.values()]
+
     def scale_by_hand(self, macro: int, delta: int) -> list[dict]:
         """POST /cluster/scale: a mitosis step on `macro` (ValueError when the controller cannot)."""
         if self.controller is None:
             raise ValueError("the cluster is still starting")
         acts = self.controller.scale_by_hand(macro, delta)
-        apply_actions(self, acts)
+        self.dispatcher.apply(acts)
         return [{"kind": a.kind, "macro": a.macro, "instances": list(a.instances), "other": a.other}
                 for a in acts if isinstance(a, ev.Scale)]
+
+    def metrics_collectors(self, model_name: str, prefix: str) -> list[Any]:
+        return [ClusterCollector(self, model_name, prefix)]

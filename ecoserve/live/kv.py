@@ -1,13 +1,12 @@
-"""Moving a request's KV blocks between instances: a small connector interface, ZeroMQ raw buffers first.
+"""Moving a request's KV blocks between instances over ZeroMQ raw buffers.
 
 The header is a typed message; the K and V tensors follow as raw frames sent without copies
 (zero-copy memoryviews, no pickle), so the same transport works across nodes. A peer that is gone
-means a send timeout, never a hang. NCCL or NIXL transports can implement the same interface.
+means a send timeout, never a hang.
 """
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import msgspec
 import zmq
@@ -21,20 +20,6 @@ class KVHeader(msgspec.Struct, frozen=True):
     src: int  # the sending instance's id
     num_tokens: int  # tokens whose KV the blocks hold
     nbytes: int
-
-
-class KVConnector(Protocol):
-    address: str  # where peers send to
-
-    def send(self, dst_address: str, header: KVHeader, buffers: list[memoryview], timeout_s: float) -> None:
-        """Queue the blocks for the peer; TimeoutError if it cannot be reached in time."""
-        ...
-
-    def receive(self) -> list[tuple[KVHeader, list[memoryview]]]:
-        """What has arrived (non-blocking)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 _header_decoder = msgspec.msgpack.Decoder(KVHeader)

@@ -1,28 +1,36 @@
-"""The cluster's HTTP surface: the OpenAI app of `ecoserve.server` over a ClusterEngine, plus
-`GET /cluster`, `POST /cluster/scale` and per-instance series on `/metrics`."""
+"""The cluster's own HTTP surface, added to the OpenAI server: `GET /cluster`, `POST /cluster/scale`, and
+per-instance series on `/metrics`."""
 from __future__ import annotations
 
-import time
+from dataclasses import asdict
+from typing import Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ecoserve.live.board import STATES
-from ecoserve.server.errors import bad_request
-from ecoserve.server.metrics import DEFAULT_PREFIX, ServerMetrics
+from ecoserve.live.board import InstanceView
+from ecoserve.states import INSTANCE_STATES, PHASES
 
-PHASES = ("idle", "prefill", "decode")
+
+class ClusterReadout(Protocol):
+    """What the routes and the collector read from the frontend."""
+
+    @property
+    def counters(self) -> dict[str, int]: ...
+
+    def views(self) -> list[InstanceView]: ...
+
+    def scale_by_hand(self, macro: int, delta: int) -> list[dict]: ...
 
 
 class ClusterCollector:
-    """Per-instance gauges and cluster counters, read from the frontend's board when scraped."""
+    """Per-instance gauges and cluster counters, read from the frontend when scraped."""
 
-    def __init__(self, engine, model_name: str, prefix: str) -> None:
-        self.engine, self.model_name, self.prefix = engine, model_name, prefix
+    def __init__(self, cluster: ClusterReadout, model_name: str, prefix: str) -> None:
+        self.cluster, self.model_name, self.prefix = cluster, model_name, prefix
 
     def collect(self):
-        now = time.monotonic()
-        hs = list(self.engine.board.instances.values())
         labels = ["model_name", "instance"]
 
         def gauge(name: str, doc: str, extra: list[str] = ()) -> GaugeMetricFamily:
@@ -36,62 +44,57 @@ class ClusterCollector:
         free = gauge("instance_free_kv_tokens", "Free KV tokens the instance last reported.")
         windows = CounterMetricFamily(self.prefix + "instance_windows", "Prefill windows opened on the instance.",
                                       labels=labels)
-        for h in hs:
-            lab = [self.model_name, str(h.instance_id)]
-            current = h.status.phase if h.status is not None else None
+        for v in self.cluster.views():
+            lab = [self.model_name, str(v.id)]
             for p in PHASES:
-                phase.add_metric(lab + [p], float(p == current))
-            for s in STATES:
-                state.add_metric(lab + [s], float(s == h.state))
-            reqs.add_metric(lab, len(h.requests))
-            windows.add_metric(lab, h.num_windows)
-            if h.status is not None:
-                age.add_metric(lab, now - h.status_received)
-                free.add_metric(lab, h.status.free_kv_tokens)
+                phase.add_metric(lab + [p], float(p == v.phase))
+            for s in INSTANCE_STATES:
+                state.add_metric(lab + [s], float(s == v.state))
+            reqs.add_metric(lab, v.num_requests)
+            windows.add_metric(lab, v.num_windows)
+            if v.status_age_s is not None:
+                age.add_metric(lab, v.status_age_s)
+                free.add_metric(lab, v.free_kv_tokens)
         yield from (phase, state, age, reqs, free, windows)
+        counters = self.cluster.counters
         for key, doc in (("reroutes", "Requests re-routed after their instance was lost."),
                          ("instance_deaths", "Instances declared lost."),
                          ("kv_bytes_moved", "KV bytes transferred between instances."),
                          ("refused_instances", "Instances refused at connect (version or model mismatch).")):
             c = CounterMetricFamily(self.prefix + "cluster_" + key, doc, labels=["model_name"])
-            c.add_metric([self.model_name], self.engine.counters[key])
+            c.add_metric([self.model_name], counters[key])
             yield c
 
 
-def create_cluster_app(engine, served_model_name: str | None = None, generation_config: str = "auto", *,
-                       metrics_prefix: str = DEFAULT_PREFIX, **server_options) -> FastAPI:
-    """The OpenAI server's app over `engine` (a ClusterEngine), with the cluster routes added.
+def _bad_request(message: str, param: str | None = None) -> JSONResponse:
+    """A 400 in OpenAI's error shape, as the server's own routes answer."""
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                   "code": None}}, status_code=400)
 
-    `server_options` are `create_app`'s (API key, tool-call parser)."""
-    from ecoserve.server.app import create_app
 
-    name = served_model_name or engine.engine.model_name
-    if engine.observer is None:
-        engine.observer = ServerMetrics(None, name, metrics_prefix)
-        engine.observer.registry.register(ClusterCollector(engine, name, engine.observer.prefix))
-    app = create_app(engine, name, generation_config, metrics_prefix=metrics_prefix, **server_options)
+def cluster_router(cluster: ClusterReadout) -> APIRouter:
+    router = APIRouter()
 
-    @app.get("/cluster")
-    async def cluster() -> dict:
-        now = time.monotonic()
-        sent = engine.controller.summary()["num_dispatched"] if engine.controller is not None else {}
-        return {"instances": [{**h.describe(now), "num_dispatched": sent.get(h.instance_id, 0)}
-                              for h in engine.board.instances.values()],
-                "counters": dict(engine.counters)}
+    @router.get("/cluster")
+    async def instances() -> dict:
+        views = cluster.views()
+        return {"instances": [{**asdict(v), "status_age_s": None if v.status_age_s is None
+                               else round(v.status_age_s, 3)} for v in views],
+                "counters": dict(cluster.counters)}
 
-    @app.post("/cluster/scale")
-    async def scale(raw: Request) -> dict:
+    @router.post("/cluster/scale", response_model=None)
+    async def scale(raw: Request) -> dict | JSONResponse:
         try:
             body = await raw.json()
             macro, delta = body["macro"], body["delta"]
         except Exception:
-            raise bad_request('the body must be JSON {"macro": m, "delta": +1 or -1}') from None
+            return _bad_request('the body must be JSON {"macro": m, "delta": +1 or -1}')
         if not isinstance(macro, int) or isinstance(macro, bool) or delta not in (1, -1):
-            raise bad_request(f"macro must be an integer and delta +1 or -1, got {macro!r} and {delta!r}",
-                              param="delta")
+            return _bad_request(f"macro must be an integer and delta +1 or -1, got {macro!r} and {delta!r}",
+                                param="delta")
         try:
-            return {"actions": engine.scale_by_hand(macro, delta)}
+            return {"actions": cluster.scale_by_hand(macro, delta)}
         except ValueError as e:
-            raise bad_request(str(e), param="macro") from None
+            return _bad_request(str(e), param="macro")
 
-    return app
+    return router

@@ -17,7 +17,9 @@ from ecoserve.cluster.strategies import STRATEGIES, ControllerOptions, build_con
 from ecoserve.config import EngineArgs
 
 if TYPE_CHECKING:  # the frontend imports the engine (torch); `ecoserve instance` must not need it
-    from ecoserve.live.frontend import ClusterEngine, FrontendModel, FrontendOptions
+    from ecoserve.engine.async_engine import ModelFacts
+    from ecoserve.live.frontend import ClusterEngine
+    from ecoserve.live.shared import FrontendOptions
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +47,14 @@ class LiveCluster:
                                  max_num_batched_tokens=max_num_batched_tokens, **extra)
 
 
-def build_cluster(model: FrontendModel, spec: LiveCluster, options: ControllerOptions,
-                  frontend: FrontendOptions | None = None, num_threads: int | None = 1) -> ClusterEngine:
-    """The ClusterEngine for `spec`: instances to launch with their setups, and the controller factory."""
-    from ecoserve.live.frontend import ClusterEngine, FrontendOptions
+def build_cluster(model: ModelFacts, spec: LiveCluster, options: ControllerOptions,
+                  frontend: FrontendOptions | None = None, num_threads: int | None = 1,
+                  identity: str | None = None) -> ClusterEngine:
+    """The ClusterEngine for `spec`: instances to launch with their setups, and the controller factory.
+
+    `identity`: the model name the instances report (default: the model's)."""
+    from ecoserve.live.frontend import ClusterEngine
+    from ecoserve.live.shared import FrontendOptions
     clock = WallClock()
     setups = setups_for(spec.strategy, options)  # what to launch
 
@@ -69,7 +75,7 @@ def build_cluster(model: FrontendModel, spec: LiveCluster, options: ControllerOp
         launcher = LocalLauncher(args_for, env, spec.instance_log_dir)
     else:
         raise ValueError(f"--launcher must be 'local' or 'ray', got {spec.launcher!r}")
-    return ClusterEngine(model, factory, sorted(setups), launcher, frontend or FrontendOptions())
+    return ClusterEngine(model, factory, sorted(setups), launcher, frontend or FrontendOptions(), identity=identity)
 
 
 def _pd(text: str) -> tuple[int, int]:
@@ -140,7 +146,9 @@ def instance_engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def make_cluster_engine(args: argparse.Namespace) -> ClusterEngine:
-    from ecoserve.live.frontend import FrontendModel, FrontendOptions
+    """`ecoserve serve --strategy`'s frontend: the model's facts (no weights), the instances, the controller."""
+    from ecoserve.engine.async_engine import ModelFacts
+    from ecoserve.live.shared import FrontendOptions
     from ecoserve.model.loader import load_model_info
 
     instance_args = instance_engine_args(args).to_cli_args()
@@ -148,10 +156,7 @@ def make_cluster_engine(args: argparse.Namespace) -> ClusterEngine:
         instance_args += ["--served-model-name", args.served_model_name]
     spec, options = cluster_from_args(args, instance_args)
     loaded = load_model_info(args.model)
-    model = FrontendModel(loaded, args.max_model_len)
+    model = ModelFacts.of(loaded, args.max_model_len or loaded.max_model_len)
     fe_opts = FrontendOptions(bind=args.instance_bind, heartbeat_timeout_s=args.heartbeat_timeout,
                               request_timeout_s=args.request_timeout, max_waiting=args.max_waiting)
-    engine = build_cluster(model, spec, options, fe_opts, args.num_threads or 1)
-    if args.served_model_name:
-        engine.identity = args.served_model_name
-    return engine
+    return build_cluster(model, spec, options, fe_opts, args.num_threads or 1, identity=args.served_model_name)

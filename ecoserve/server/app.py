@@ -1,20 +1,21 @@
-"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine, plus health, metrics and tokenizer routes."""
+"""The FastAPI app: OpenAI-compatible routes over an `EngineClient`, plus health, metrics and tokenizer routes."""
 from __future__ import annotations
 
 import logging
 import time
 from contextlib import asynccontextmanager
+from typing import Sequence
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 import ecoserve
-from ecoserve.engine.async_engine import AsyncEngine
 from ecoserve.server.auth import install_api_key
 from ecoserve.server.chat import create_chat_completion, encode_chat
 from ecoserve.server.completions import create_completion
+from ecoserve.server.engine_client import EngineClient
 from ecoserve.server.errors import APIError, bad_request, install_error_handlers
 from ecoserve.server.metrics import ServerMetrics
 from ecoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -27,21 +28,22 @@ logger = logging.getLogger(__name__)
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 
 
-def create_app(engine: AsyncEngine, served_model_name: str | None = None, generation_config: str = "auto", *,
-               api_key: str | None = None, metrics_prefix: str = "ecoserve",
-               tool_call_parser: str | None = None) -> FastAPI:
-    """An app serving `engine`; the engine thread starts with the app's lifespan and stops with it.
+def create_app(engine: EngineClient, served_model_name: str | None = None, generation_config: str = "auto", *,
+               api_key: str | None = None, metrics_prefix: str = "ecoserve", tool_call_parser: str | None = None,
+               routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """An app serving `engine`; the engine starts with the app's lifespan and stops with it.
 
     generation_config "auto": sampling fields a request omits take the model's generation_config.json
     values (as vLLM's `--generation-config auto`); "vllm": they take OpenAI's defaults. `api_key`
     guards the /v1 routes; `metrics_prefix` names the /metrics series (`vllm` for vLLM's dashboards);
-    `tool_call_parser` reads tool calls out of the text for tool_choice "auto".
+    `tool_call_parser` reads tool calls out of the text for tool_choice "auto"; `routers` add routes
+    of the engine's own (a cluster's /cluster).
     """
     if generation_config not in GENERATION_CONFIG_CHOICES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
-    name = served_model_name or engine.engine.model_name
+    name = served_model_name or engine.model.name
     if engine.observer is None:
-        engine.observer = ServerMetrics(engine.engine, name, metrics_prefix)
+        engine.observer = ServerMetrics(engine, name, metrics_prefix)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
     state = ServerState(engine, name, engine.observer, parser, use_generation_config=generation_config == "auto")
     _log_sampling_defaults(state, generation_config)
@@ -69,7 +71,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, genera
 
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "ecoserve",
-                "root": str(engine.engine.loaded.path), "max_model_len": state.max_model_len}
+                "root": str(engine.model.path), "max_model_len": state.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -111,12 +113,14 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, genera
     async def detokenize(raw: Request) -> dict:
         body = DetokenizeRequest.parse(await raw.body())
         state.check_model(body.model)
-        vocab = engine.engine.loaded.spec.vocab_size
+        vocab = engine.model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
+    for router in routers:
+        app.include_router(router)
     _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
@@ -145,7 +149,7 @@ def _document_bodies(app: FastAPI, models: list[type[BaseModel]]) -> None:
 
 
 def _log_sampling_defaults(state: ServerState, generation_config: str) -> None:
-    model_defaults = state.engine.engine.loaded.generation_defaults
+    model_defaults = state.engine.model.generation_defaults
     if state.defaults:
         logger.info("requests that omit them get the model's generation_config.json sampling defaults: %s "
                     "(--generation-config vllm turns this off)",

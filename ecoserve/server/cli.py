@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import uvicorn
 
@@ -13,7 +13,9 @@ from ecoserve.server.auth import API_KEY_ENV
 from ecoserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # importing the engine pulls in torch: not for `ecoserve instance --mock-profile`
-    from ecoserve.engine.async_engine import AsyncEngine
+    from fastapi import APIRouter
+
+    from ecoserve.server.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +23,7 @@ logger = logging.getLogger(__name__)
 class GracefulServer(uvicorn.Server):
     """On the first SIGINT/SIGTERM: refuse new requests, give running ones `grace_s` seconds, then fail them."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float, banner: str = "") -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace_s: float, banner: str = "") -> None:
         super().__init__(config)
         self.engine, self.grace_s, self.banner = engine, grace_s, banner
 
@@ -31,9 +33,8 @@ class GracefulServer(uvicorn.Server):
             print(self.banner, flush=True)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        loop = self.engine._loop
-        if not self.should_exit and loop is not None:
-            loop.call_soon_threadsafe(self.engine.begin_shutdown, self.grace_s)
+        if not self.should_exit:
+            self.engine.begin_shutdown(self.grace_s)
         super().handle_exit(sig, frame)
 
 
@@ -44,23 +45,13 @@ def curl_example(host: str, port: int, model: str) -> str:
             f"  curl http://{host}:{port}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
 
 
-def run_server(args: argparse.Namespace) -> int:
-    from ecoserve.engine.async_engine import AsyncEngine
-    from ecoserve.engine.llm_engine import LLMEngine
+def run_server(args: argparse.Namespace, engine: EngineClient, routers: Sequence[APIRouter] = ()) -> int:
+    """Serve `engine` (the one `ecoserve serve` built from `args`) until SIGINT/SIGTERM."""
     from ecoserve.server.app import create_app
 
-    server_options = dict(api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                          metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser)
-    if args.strategy:  # a frontend over instance processes (ecoserve.live)
-        from ecoserve.live.routes import create_cluster_app
-        from ecoserve.live.serve import make_cluster_engine
-        engine = make_cluster_engine(args)
-        name = args.served_model_name or engine.engine.model_name
-        app = create_cluster_app(engine, name, args.generation_config, **server_options)
-    else:
-        engine = AsyncEngine(LLMEngine(EngineArgs.from_cli_args(args).create_engine_config()))
-        name = args.served_model_name or engine.engine.model_name
-        app = create_app(engine, name, args.generation_config, **server_options)
+    name = args.served_model_name or engine.model.name
+    app = create_app(engine, name, args.generation_config, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                     metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser, routers=routers)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
@@ -68,6 +59,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """The `serve` command's engine and server flags; the caller adds the rest and what it runs."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve a model over the OpenAI API (completions, chat, streaming), "
                                           "with /health, /metrics, /tokenize and /detokenize.")
@@ -90,7 +82,4 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="how tool calls are read out of the model's text for tool_choice 'auto'")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    from ecoserve.live.serve import add_cluster_args
-    add_cluster_args(p)
-    p.set_defaults(func=run_server)
     return p

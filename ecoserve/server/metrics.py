@@ -7,11 +7,14 @@ clock, in seconds).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from typing import TYPE_CHECKING
 
-from ecoserve.engine.llm_engine import LLMEngine
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
 from ecoserve.request import RequestOutput
+
+if TYPE_CHECKING:
+    from ecoserve.server.engine_client import EngineClient
 
 DEFAULT_PREFIX = "ecoserve"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -20,45 +23,18 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
-class _EngineCollector:
-    """Gauges and monotonic counters the engine already keeps, read at scrape time."""
-
-    def __init__(self, engine: LLMEngine, model_name: str, prefix: str) -> None:
-        self.engine, self.model_name, self.prefix = engine, model_name, prefix
-
-    def collect(self):
-        sched, kv, stats = self.engine.scheduler, self.engine.scheduler.kv, self.engine.stats
-        label = [self.model_name]
-        for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", len(sched.running)),
-                ("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting)),
-                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", kv.usage)):
-            g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
-            g.add_metric(label, value)
-            yield g
-        for name, doc, value in (
-                ("prompt_tokens", "Prompt tokens of accepted requests.", stats["prompt_tokens"]),
-                ("generation_tokens", "Generated tokens.", stats["generation_tokens"]),
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_queries),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_hits),
-                ("num_preemptions", "Preemptions (by recompute).", sched.num_preemptions_total)):
-            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
-            c.add_metric(label, value)
-            yield c
-
-
 class ServerMetrics:
     """The /metrics registry, and the engine-thread observer that feeds its per-request histograms."""
 
-    def __init__(self, engine: LLMEngine | None, model_name: str, prefix: str = DEFAULT_PREFIX) -> None:
-        """`engine` None: no engine gauges (a cluster frontend registers its own collector)."""
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str = DEFAULT_PREFIX) -> None:
+        """The engine's own series (scheduler and KV gauges, a cluster's per-instance ones) come from its collectors."""
         if not prefix.isidentifier():
             raise ValueError(f"the metrics prefix must be a word of letters, digits and _, got {prefix!r}")
         prefix += ":"
         self.prefix = prefix
         self.registry = CollectorRegistry()
-        if engine is not None:
-            self.registry.register(_EngineCollector(engine, model_name, prefix))
+        for collector in engine.metrics_collectors(model_name, prefix):
+            self.registry.register(collector)
         self.model_name = model_name
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

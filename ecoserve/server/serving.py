@@ -283,27 +283,24 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.engine.model.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.model.max_model_len
 
     @property
     def defaults(self) -> dict[str, Any]:
         """Sampling defaults for fields a request leaves unset (before OpenAI's own defaults)."""
-        return self.engine.engine.loaded.generation_defaults if self.use_generation_config else {}
+        return self.engine.model.generation_defaults if self.use_generation_config else {}
 
     async def compile_structured(self, params: SamplingParams, param: str) -> None:
         """Compile the request's grammar on the grammar thread, so a bad one is a 400 before anything starts."""
         spec = params.structured_outputs
         if spec is None:
             return
-        guided = self.engine.engine.guided
-        if guided is None:
-            raise bad_request("structured outputs need a tokenizer, and this server has none", param=param)
         try:
-            await asyncio.wrap_future(guided.compiler.submit(spec))
+            await self.engine.check_grammar(spec)
         except ValueError as e:
             raise bad_request(str(e), param=param) from None
 

@@ -50,34 +50,40 @@ def engine_args(model: str) -> list[str]:
 
 def start_cluster(model: str, controller_factory, num_instances: int, args_for, options=None) -> RunningCluster:
     """A ClusterEngine with `controller_factory` over local instance processes, served by the real app."""
-    from ecoserve.live.frontend import ClusterEngine, FrontendModel, FrontendOptions
+    from ecoserve.live.frontend import ClusterEngine
     from ecoserve.live.launchers import LocalLauncher
-    from ecoserve.model.loader import load_model_info
+    from ecoserve.live.shared import FrontendOptions
 
     launcher = LocalLauncher(args_for, env={"OMP_NUM_THREADS": "1"})
-    return serve(ClusterEngine(FrontendModel(load_model_info(model), MAX_MODEL_LEN), controller_factory,
-                               list(range(num_instances)), launcher, options or FrontendOptions()))
+    return serve(ClusterEngine(model_facts(model), controller_factory, list(range(num_instances)), launcher,
+                               options or FrontendOptions()))
 
 
 def start_strategy(model: str, strategy: str, num_instances: int, instance_args: list[str], ttft_slo: float = 2.0,
                    tpot_slo: float = 0.5, launcher: str = "local", **controller) -> RunningCluster:
     """The cluster `ecoserve serve --strategy` builds (real controllers), in this process."""
-    from ecoserve.live.frontend import FrontendModel
     from ecoserve.live.serve import LiveCluster, build_cluster
-    from ecoserve.model.loader import load_model_info
 
     free = controller.pop("num_free_instances", 0)
     spec = LiveCluster(strategy, num_instances, free, controller, tuple(instance_args), launcher)
-    engine = build_cluster(FrontendModel(load_model_info(model), MAX_MODEL_LEN), spec,
-                           spec.options(ttft_slo, tpot_slo, 512))
-    return serve(engine)
+    return serve(build_cluster(model_facts(model), spec, spec.options(ttft_slo, tpot_slo, 512)))
+
+
+def model_facts(model: str):
+    """What the frontend knows of the model (no weights), as `ecoserve serve --strategy` reads it."""
+    from ecoserve.engine.async_engine import ModelFacts
+    from ecoserve.model.loader import load_model_info
+
+    return ModelFacts.of(load_model_info(model), MAX_MODEL_LEN)
 
 
 def serve(engine) -> RunningCluster:
-    """The cluster app over `engine` on uvicorn in a thread; returns once every instance has joined."""
-    from ecoserve.live.routes import create_cluster_app
+    """The OpenAI app with the cluster routes over `engine`, on uvicorn in a thread; returns once every
+    instance has joined (as `ecoserve serve --strategy` composes them)."""
+    from ecoserve.live.routes import cluster_router
+    from ecoserve.server.app import create_app
 
-    app = create_cluster_app(engine, "tiny")
+    app = create_app(engine, "tiny", routers=[cluster_router(engine)])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -5,6 +5,8 @@ requests that were dispatched there (the driver has already ended those that str
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from ecoserve.cluster import events as ev
 from ecoserve.cluster.baselines import FuDGRouter, NoDGRouter
 from ecoserve.cluster.topology import Topology
@@ -12,18 +14,32 @@ from ecoserve.cluster.topology import Topology
 STAGING = ev.STAGING
 
 
-class _DriverSurface:
-    """The read side of the controller contract: no roles of their own, nothing counted."""
+class _FakeSurface:
+    """The parts of the controller surface the driver reads besides `handle`: a fixed topology, no mitosis."""
+
+    has_windows = False
+    setups: dict[int, ev.InstanceSetup] = {}
+    roles: dict[int, str]
+    sent: Counter
 
     def topology(self) -> Topology:
-        return Topology({})
+        return Topology(self.roles)
 
     def summary(self) -> dict:
-        return {"num_dispatched": {}}
+        return {"num_dispatched": dict(self.sent)}
+
+    def scale_by_hand(self, macro: int, delta: int) -> list:
+        raise ValueError("this cluster has no mitosis")
+
+    def _count(self, acts: list) -> list:
+        self.sent.update(a.instance_id for a in acts if isinstance(a, ev.Dispatch))
+        return acts
 
 
-class FakeNoDG(_DriverSurface):
+class FakeNoDG(_FakeSurface):
     def __init__(self, instances: list[int], status_of) -> None:
+        self.roles = {i: "both" for i in instances}
+        self.sent = Counter()
         self.router = NoDGRouter(list(instances))
         self.status_of = status_of
         self.arrivals: dict[str, ev.RequestArrived] = {}
@@ -36,7 +52,7 @@ class FakeNoDG(_DriverSurface):
     def _route(self, e: ev.RequestArrived) -> list:
         iid = self.router.route(self.status_of)
         self.where[e.request_id] = iid
-        return [ev.Dispatch(e.request_id, iid, e.max_tokens)]
+        return self._count([ev.Dispatch(e.request_id, iid, e.max_tokens)])
 
     def handle(self, e) -> list:
         self.events.append(e)
@@ -55,11 +71,13 @@ class FakeNoDG(_DriverSurface):
         return []
 
 
-class FakeFuDG(_DriverSurface):
+class FakeFuDG(_FakeSurface):
     """Prefill on the first `num_prefill` instances, KV to STAGING, decode on the one with most free KV."""
 
     def __init__(self, num_prefill: int, num_decode: int, status_of, direct: bool = False) -> None:
         n = num_prefill + num_decode
+        self.roles = {i: "prefill" if i < num_prefill else "decode" for i in range(n)}
+        self.sent = Counter()
         self.router = FuDGRouter(list(range(num_prefill)), list(range(num_prefill, n)))
         self.status_of = status_of
         self.direct = direct  # TransferKV straight to the decode instance instead of STAGING
@@ -73,14 +91,14 @@ class FakeFuDG(_DriverSurface):
         self.events.append(e)
         if isinstance(e, ev.RequestArrived):
             self.arrivals[e.request_id] = e
-            return [ev.Dispatch(e.request_id, self.router.route_prefill(self.status_of), 1)]
+            return self._count([ev.Dispatch(e.request_id, self.router.route_prefill(self.status_of), 1)])
         if isinstance(e, ev.PrefillDone):
             dst = self.router.route_decode(self.status_of, 1) if self.direct else STAGING
             return [ev.TransferKV(e.request_id, e.instance_id, dst, e.num_tokens, 0)]
         if isinstance(e, ev.TransferDone):
             req = self.arrivals[e.request_id]
             dst = e.dst if e.dst != STAGING else self.router.route_decode(self.status_of, 1)
-            return [ev.Dispatch(e.request_id, dst, req.max_tokens - 1, imported_tokens=req.prompt_len)]
+            return self._count([ev.Dispatch(e.request_id, dst, req.max_tokens - 1, imported_tokens=req.prompt_len)])
         if isinstance(e, (ev.RequestFinished, ev.RequestAborted)):
             self.arrivals.pop(e.request_id, None)
         return []

@@ -15,9 +15,8 @@ import pytest
 import zmq
 
 from ecoserve.live import messages as m
-from ecoserve.live.frontend import FrontendOptions
 from ecoserve.live.launchers import instance_command
-from ecoserve.live.watch import silence_allowed
+from ecoserve.live.shared import FrontendOptions
 from ecoserve.sampling import SamplingParams
 from tests.live.conftest import mock_args, start_cluster, wait_until, write_profile
 from tests.live.fakes import FakeNoDG
@@ -119,7 +118,7 @@ def test_sigstop_is_a_missed_heartbeat(cluster):
         call.join(DEADLINE_S)
         assert call.error is None, call.error  # nothing had streamed: it completed elsewhere
         assert len([c for c in call.chunks if c.choices and c.choices[0].text is not None]) >= 1
-        silence = silence_allowed(cluster.engine, cluster.engine.board[iid])
+        silence = cluster.engine.health.silence_allowed(cluster.engine.board[iid])
         assert silence < 2.0 + 2 * 3.6  # the heartbeat timeout + twice the profile's step at 2048 tokens
         assert call.elapsed < silence + 1.5 + 5  # heartbeat deadline + a prefill elsewhere + slack
         assert _state(cluster, iid) == "lost"

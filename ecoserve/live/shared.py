@@ -1,0 +1,56 @@
+"""What the cluster frontend shares with its collaborators (dispatcher, receiver, health watch).
+
+The frontend owns the socket, the board of instances, the requests and the controller; the
+collaborators reach them only through this interface, so none of them imports the frontend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from ecoserve.cluster import events as ev
+from ecoserve.live import messages as m
+from ecoserve.live.board import InstanceBoard, InstanceHandle
+from ecoserve.live.requests import LiveRequest
+
+
+@dataclass(frozen=True)
+class FrontendOptions:
+    bind: str = "tcp://127.0.0.1:0"  # the port instances connect to (0: any free port)
+    heartbeat_timeout_s: float = 2.0  # an instance silent this long is lost
+    ping_interval_s: float = 0.5
+    request_timeout_s: float = 600.0  # every request ends by then
+    kv_transfer_timeout_s: float = 10.0
+    ready_timeout_s: float = 300.0  # launched instances that have not joined by then are lost
+    max_waiting: int | None = None
+
+
+class Frontend(Protocol):
+    board: InstanceBoard
+    requests: dict[str, LiveRequest]
+
+    def send(self, h: InstanceHandle, msg: m.Msg) -> None:
+        """To the instance's connection; a failed send loses the instance."""
+        ...
+
+    def post(self, event: ev.Event) -> None:
+        """An event to the controller; its actions are carried out at once."""
+        ...
+
+    def end(self, req: LiveRequest, error: BaseException | None = None) -> None:
+        """Forget a request; abort it wherever it still runs; hand `error` to its client."""
+        ...
+
+    def fail(self, req: LiveRequest, error: BaseException) -> None:
+        """End a request with `error` and tell the controller it is gone."""
+        ...
+
+    def deliver(self, req: LiveRequest) -> None:
+        """The request's news to its client, unless its instance's output is held."""
+        ...
+
+    def call_later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None: ...
+
+    def check_ready(self) -> None:
+        """Once no launched instance is still starting: build the controller (at most once)."""
+        ...
