@@ -312,3 +312,24 @@ def make_tiny_gguf(ckpt: str | Path, out: str | Path, quant_type: Any = None) ->
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def serve_in_thread(app, timeout: float = 30.0):
+    """`app` on uvicorn in a daemon thread on a free loopback port, once it is serving: (url, server, thread)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server, thread

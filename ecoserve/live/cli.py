@@ -53,3 +53,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="exit when the frontend has been silent this many seconds")
     p.set_defaults(func=run_instance)
     return p
+
+
+def instance_main(argv: list[str]) -> int:
+    """`ecoserve instance ARGV` without the rest of the command line (a Ray actor's entry point)."""
+    parser = argparse.ArgumentParser(prog="ecoserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["instance", *argv])
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ecoserve").setLevel(logging.INFO)
+    return args.func(args)

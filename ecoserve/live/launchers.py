@@ -76,8 +76,8 @@ class LocalLauncher:
 
 def _instance_main(connect: str, args: list[str]) -> int:
     """The body of a Ray actor: the same `ecoserve instance` entry point, in the actor's process."""
-    from ecoserve.cli import main
-    return main(["instance", "--connect", connect, *args])
+    from ecoserve.live.cli import instance_main
+    return instance_main(["--connect", connect, *args])
 
 
 class RayLauncher:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tests.utils import make_tiny_checkpoint
+from tests.utils import make_tiny_checkpoint, serve_in_thread
 
 MAX_MODEL_LEN = 256
 INSTANCE_ARGS = ["--num-threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "128",
@@ -83,14 +82,7 @@ def serve(engine) -> RunningCluster:
     from ecoserve.live.routes import cluster_router
     from ecoserve.server.app import create_app
 
-    app = create_app(engine, "tiny", routers=[cluster_router(engine)])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
+    url, server, thread = serve_in_thread(create_app(engine, "tiny", routers=[cluster_router(engine)]))
     deadline = time.monotonic() + 240
     while True:
         assert time.monotonic() < deadline and thread.is_alive(), "the cluster did not become healthy"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tests.utils import make_tiny_checkpoint
+from tests.utils import make_tiny_checkpoint, serve_in_thread
 
 MAX_MODEL_LEN = 256
 ENGINE_KWARGS = dict(num_threads=1, max_model_len=MAX_MODEL_LEN, num_gpu_blocks=256, max_num_seqs=16,
@@ -61,18 +61,8 @@ def start_server(model: str, max_waiting: int | None = None, app_kwargs: dict | 
 
     engine = AsyncEngine(LLMEngine(EngineArgs(model, **{**ENGINE_KWARGS, **overrides}).create_engine_config()),
                          max_waiting=max_waiting)
-    app = create_app(engine, "tiny", **(app_kwargs or {}))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    return RunningServer(f"http://127.0.0.1:{port}", engine, server, thread)
+    url, server, thread = serve_in_thread(create_app(engine, "tiny", **(app_kwargs or {})))
+    return RunningServer(url, engine, server, thread)
 
 
 @pytest.fixture(scope="module")
