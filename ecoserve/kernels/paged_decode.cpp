@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bounds.h"
 #include "simd.h"
 
 // Paged decode attention on CPU: one query token per sequence, reading K/V straight from the
@@ -156,7 +157,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && tables.is_contiguous() &&
               lens.is_contiguous(), "paged_decode: contiguous tensors only");
   TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "paged_decode: int64 tables/lens");
+  TORCH_CHECK(q.dim() == 3, "paged_decode: q must be [B, Hq, D], got ", q.sizes());
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  ecoserve_bounds::check_cache("paged_decode", k_cache, v_cache, Hq, D);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.dim() == 1 && lens.size(0) == B,
+              "paged_decode: tables must be [B, max_blocks] and lens [B] for B = ", B, ", got ", tables.sizes(),
+              " and ", lens.sizes());
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, nblk = tables.size(1);
   auto out = torch::empty_like(q);
@@ -165,6 +171,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const float* vp = v_cache.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    ecoserve_bounds::check_table_row("paged_decode", tp + b * nblk, nblk, b, lp[b], bs, k_cache.size(0));
   float* op = out.data_ptr<float>();
   const AttendFn attend = pick(D);
   // A task takes all kv heads of a sequence, so it streams each cached row (Hkv * D floats) once;

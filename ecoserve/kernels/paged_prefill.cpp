@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bounds.h"
 #include "simd.h"
 
 // Prompt-chunk (prefill) attention on CPU, reading K/V from the paged cache, flash-attention style.
@@ -201,8 +202,22 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() && tables.is_contiguous() &&
               spans.is_contiguous(), "paged_prefill: contiguous tensors only");
   TORCH_CHECK(tables.dtype() == torch::kInt64 && spans.dtype() == torch::kInt64, "paged_prefill: int64 tables/spans");
-  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && tables.size(0) == spans.size(0),
-              "paged_prefill: spans [P, 3] and tables [P, max_blocks]");
+  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && tables.dim() == 2 && tables.size(0) == spans.size(0),
+              "paged_prefill: spans [P, 3] and tables [P, max_blocks], got ", spans.sizes(), " and ", tables.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), "paged_prefill: out must have q's shape ", q.sizes(), ", got ", out.sizes());
+  ecoserve_bounds::check_cache("paged_prefill", k_cache, v_cache, q.size(1), q.size(2));
+  {
+    const int64_t P = spans.size(0), nblk = tables.size(1), bs = k_cache.size(1);
+    const int64_t* sp = spans.data_ptr<int64_t>();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t q_start = sp[3 * p], q_len = sp[3 * p + 1], ctx_len = sp[3 * p + 2];
+      TORCH_CHECK(q_start >= 0 && q_len > 0 && q_len <= ctx_len && q_start + q_len <= q.size(0), "paged_prefill: span ",
+                  p, " (q_start ", q_start, ", q_len ", q_len, ", ctx_len ", ctx_len, ") is outside the ", q.size(0),
+                  " query rows or attends fewer tokens than it computes");
+      ecoserve_bounds::check_table_row("paged_prefill", tp + p * nblk, nblk, p, ctx_len, bs, k_cache.size(0));
+    }
+  }
 #ifdef ECOSERVE_SIMD
   const int64_t Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
   const Shape sh{Hq, Hkv, Hq / Hkv, bs, q.stride(0), static_cast<float>(scale)};
@@ -212,8 +227,6 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   std::vector<Task> tasks;
   for (int64_t p = 0; p < P; ++p) {
     const Span s{sp[3 * p], sp[3 * p + 1], sp[3 * p + 2], tables.data_ptr<int64_t>() + p * nblk};
-    TORCH_CHECK(s.q_len > 0 && s.q_len <= s.ctx_len && s.ctx_len <= nblk * bs && s.q_start + s.q_len <= q.size(0),
-                "paged_prefill: span ", p, " out of range");
     list.push_back(s);
     const int64_t rows = s.q_len * sh.G;
     for (int64_t h = 0; h < Hkv; ++h)
