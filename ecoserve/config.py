@@ -120,6 +120,19 @@ class ParallelConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Grammar compilation: a request waits (unscheduled) for its grammar at most `compile_timeout_s`, then fails
+    alone; `cache_size` distinct grammars stay compiled (least recently used out first)."""
+
+    compile_timeout_s: float = 30.0
+    cache_size: int = 256
+
+    def __post_init__(self) -> None:
+        _need(self.compile_timeout_s > 0, f"grammar compile timeout must be > 0 s, got {self.compile_timeout_s}")
+        _need(self.cache_size >= 1, f"grammar cache size must be >= 1, got {self.cache_size}")
+
+
+@dataclass
 class EngineConfig:
     """Everything `LLM(...)` / `ecoserve serve` accept."""
 
@@ -136,6 +149,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
@@ -168,6 +182,7 @@ def _layer_counts_flag(text: str) -> tuple[int, ...]:
 
 
 _SCHED, _CACHE, _PAR = SchedulerConfig, CacheConfig, ParallelConfig  # the defaults live in the typed configs
+_STRUCT = StructuredOutputsConfig
 
 
 @dataclass
@@ -209,6 +224,11 @@ class EngineArgs:
     max_waiting: int | None = _option(
         _SCHED.max_waiting, "--max-waiting-requests", type=int,
         help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
+    grammar_compile_timeout_s: float = _option(
+        _STRUCT.compile_timeout_s, "--grammar-compile-timeout", type=float,
+        help="seconds a structured-output request waits for its grammar to compile before it fails (alone)")
+    grammar_cache_size: int = _option(_STRUCT.cache_size, "--grammar-cache-size", type=int,
+                                      help="compiled structured-output grammars kept (least recently used out first)")
     block_size: int = _option(_CACHE.block_size, "--block-size", type=int, help="tokens per KV block")
     kv_cache_memory_bytes: int | None = _option(
         _CACHE.kv_cache_memory_bytes, "--kv-cache-memory-bytes", type=int,
@@ -305,4 +325,6 @@ class EngineArgs:
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     pp_layer_partition=self.pp_layer_partition,
                                     max_concurrent_batches=self.max_concurrent_batches,
-                                    step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s))
+                                    step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s),
+            structured_outputs=StructuredOutputsConfig(compile_timeout_s=self.grammar_compile_timeout_s,
+                                                       cache_size=self.grammar_cache_size))

@@ -69,11 +69,17 @@ class ModelFacts:
                    max_model_len, dict(loaded.generation_defaults))
 
 
-async def check_grammar(compiler: "GrammarCompiler | None", spec: StructuredOutputsParams) -> None:
-    """Compile `spec` on the grammar thread; ValueError for a bad grammar or a model without a tokenizer."""
+async def check_grammar(compiler: "GrammarCompiler | None", spec: StructuredOutputsParams,
+                        timeout_s: float | None = None) -> None:
+    """Compile `spec` on the grammar threads; ValueError for a bad grammar, one that does not compile within
+    `timeout_s`, or a model without a tokenizer."""
     if compiler is None:
         raise ValueError("structured outputs need a tokenizer, and this server has none")
-    await asyncio.wrap_future(compiler.submit(spec))
+    try:  # shielded: the compilation stays cached for the requests that share it
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiler.submit(spec))), timeout_s)
+    except asyncio.TimeoutError:
+        raise ValueError(f"the structured output grammar ({spec.kind}) did not compile within {timeout_s:g} s; "
+                         f"simplify it (the limit is --grammar-compile-timeout)") from None
 
 
 class StepObserver(Protocol):
@@ -136,6 +142,7 @@ class RequestStream:
 
 
 _STOP = ("stop",)
+_WAKE = ("wake",)  # a grammar is ready: step now
 _STUCK_POLL_S = 0.001  # how often an engine that could schedule nothing looks again
 _IDLE_CHECK_S = 0.5  # how often an idle engine checks its executor (a parallel instance's ranks)
 
@@ -158,6 +165,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._accepting = True
         self.dead_error: BaseException | None = None
+        engine.on_grammar_ready = self._wake
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -205,7 +213,8 @@ class AsyncEngine:
     # ---- requests ------------------------------------------------------------------------
     def num_waiting(self) -> int:
         """Requests queued but not yet running: the scheduler's waiting queue plus adds not yet applied."""
-        return len(self.engine.scheduler.waiting) + self._adds_queued - self._adds_applied
+        sched = self.engine.scheduler
+        return len(sched.waiting) + len(sched.waiting_for_grammar) + self._adds_queued - self._adds_applied
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, arrival_time: float | None = None) -> RequestStream:
@@ -229,11 +238,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._adds_queued += 1
         command = ("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, params, arrival)
-        if params.structured_outputs is None:
-            self._commands.put(command)
-        else:  # compile on the grammar thread; the engine loop takes the request once it is ready
-            self.engine.guided.compiler.submit(params.structured_outputs).add_done_callback(
-                lambda _: self._commands.put(command))
+        self._commands.put(command)  # a grammar compiles on the grammar threads while the request waits unscheduled
         return RequestStream(self, request_id, stream)
 
     def _forget(self, request_id: str, stream: _Stream) -> None:
@@ -253,7 +258,7 @@ class AsyncEngine:
     async def check_grammar(self, spec: StructuredOutputsParams) -> None:
         """A bad grammar is a ValueError here, before any request starts."""
         guided = self.engine.guided
-        await check_grammar(guided.compiler if guided is not None else None, spec)
+        await check_grammar(guided.compiler if guided is not None else None, spec, self.engine.grammar_compile_timeout_s)
 
     def metrics_collectors(self, model_name: str, prefix: str) -> list[Any]:
         return [SchedulerCollector(self.engine, model_name, prefix)]
@@ -298,6 +303,19 @@ class AsyncEngine:
             if aborted:
                 self._observe("on_abort", aborted)
 
+    def _wake(self) -> None:
+        """A grammar finished compiling (on the grammar thread): the engine loop steps again now."""
+        self._commands.put(_WAKE)
+
+    def _report_failed(self) -> None:
+        """Requests the engine failed inside its step (e.g. a grammar past its compile deadline) end with the error."""
+        failed = self.engine.take_failed()
+        if not failed:
+            return
+        for request_id, error in failed:
+            self._call_soon(self._fail, request_id, error)
+        self._observe("on_abort", [rid for rid, _ in failed])
+
     def _observe(self, method: str, arg: list) -> None:
         if self.observer is None:
             return
@@ -319,8 +337,12 @@ class AsyncEngine:
                     except queue.Empty:
                         engine.check()  # a rank that died while idle kills the loop now, not at the next request
                 if not commands and engine.last_step_empty:
+                    # only requests waiting for grammars: sleep until one is compiled (its callback wakes us) or
+                    # the earliest compile deadline, not a poll
+                    grammar_wait = engine.grammar_wait_s()
                     try:
-                        commands.append(self._commands.get(timeout=_STUCK_POLL_S))
+                        commands.append(self._commands.get(
+                            timeout=_STUCK_POLL_S if grammar_wait is None else min(grammar_wait, _IDLE_CHECK_S)))
                     except queue.Empty:
                         pass
                 while True:
@@ -331,10 +353,12 @@ class AsyncEngine:
                 for command in commands:
                     if command is _STOP:
                         return
-                    self._apply(command)
+                    if command is not _WAKE:
+                        self._apply(command)
                 if not engine.has_unfinished_requests():
                     continue
                 outputs = engine.step()
+                self._report_failed()
                 self._observe("on_step", outputs)
                 if outputs:
                     self._call_soon(self._deliver, outputs)
@@ -355,7 +379,8 @@ class SchedulerCollector:
         label = [self.model_name]
         for name, doc, value in (
                 ("num_requests_running", "Requests in the running batch.", len(sched.running)),
-                ("num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting)),
+                ("num_requests_waiting", "Requests waiting to be scheduled (also for their grammar).",
+                 len(sched.waiting) + len(sched.waiting_for_grammar)),
                 ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", kv.usage)):
             g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
             g.add_metric(label, value)

@@ -1,18 +1,23 @@
-"""Guided decoding with llguidance: grammars compiled once per spec, one matcher per sequence.
+"""Guided decoding with llguidance: grammars compiled off the engine thread, one matcher per sequence.
 
-`GrammarCompiler` turns a StructuredOutputsParams into a pristine matcher on a worker thread
-and caches it by the spec's key, so the engine loop never waits for a new grammar (the engine
-queues a request once its grammar is ready). `GuidedDecoder` keeps each constrained
-sequence's matcher, computes the bitmasks of a batch's constrained rows when the batch is
-submitted (`GrammarMasks`: the runner applies them before sampling; rows without a matcher are
-untouched and cost nothing) and advances the matcher with the sampled token. The matcher only
-ever moves on sampled tokens, so a recompute after preemption leaves it where it was.
+`GrammarCompiler` turns a StructuredOutputsParams into a pristine matcher on its thread pool and
+keeps the compilations in a bounded LRU cache keyed by the spec. The engine never waits for one:
+a request whose grammar is still compiling waits outside scheduling (the scheduler's
+waiting-for-grammar state) and starts once its future is done, or fails alone at its compile
+deadline. `GuidedDecoder` keeps each constrained sequence's own matcher (a copy of the pristine
+one, so a cache eviction never forces a recompile mid-request), computes the bitmasks of a batch's
+constrained rows when the batch is submitted (`GrammarMasks`: the runner applies them before
+sampling; rows without a matcher are untouched and cost nothing) and advances the matcher with the
+sampled token. The matcher only ever moves on sampled tokens, so a recompute after preemption
+leaves it where it was.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -47,18 +52,35 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to Lark
 
 
-class GrammarCompiler:
-    """Spec -> Future of a pristine matcher; one compilation per distinct spec, off the caller's thread."""
+DEFAULT_CACHE_SIZE = 256  # distinct grammars kept compiled
+DEFAULT_COMPILE_TIMEOUT_S = 30.0  # how long a request waits for its grammar before it fails
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], max_cached: int = 256) -> None:
+
+def default_compile_workers() -> int:
+    """Compile threads: half the cores (as vLLM's grammar pool), at least 1, at most 4."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+class GrammarCompiler:
+    """Spec -> Future of a pristine matcher, compiled on a thread pool; the `max_cached` most recently used
+    compilations (done or not) are kept, so a repeated spec is compiled once while it stays in use."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 max_cached: int = DEFAULT_CACHE_SIZE, max_workers: int | None = None) -> None:
+        if max_cached < 1:
+            raise ValueError(f"the grammar cache must hold at least 1 grammar, got {max_cached}")
         self._hf_tokenizer, self.vocab_size = tokenizer, vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer = None
         self._tokenizer_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._cache: dict[str, Future] = {}
-        self._max_cached = max_cached
+        self._pool = ThreadPoolExecutor(max_workers=max_workers or default_compile_workers(),
+                                        thread_name_prefix="grammar")
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self.max_cached = max_cached
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
     def tokenizer(self):
         with self._tokenizer_lock:
@@ -69,18 +91,24 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
-        """The (maybe already finished) compilation of `spec`; its error is a ValueError naming the problem."""
+        """The (maybe already finished) compilation of `spec`; its error is a ValueError naming the problem.
+
+        Never blocks on a compilation: a new spec is queued on the pool (evicting the least recently
+        used entry when the cache is full; whoever holds that future keeps it)."""
         key = spec.key()
         with self._lock:
             future = self._cache.get(key)
-            if future is None:
-                if len(self._cache) >= self._max_cached:
-                    self._cache.pop(next(iter(self._cache)))  # oldest first
-                future = self._cache[key] = self._pool.submit(self._compile, spec)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            while len(self._cache) >= self.max_cached:
+                self._cache.popitem(last=False)
+            future = self._cache[key] = self._pool.submit(self._compile, spec)
             return future
 
-    def compile(self, spec: StructuredOutputsParams):
-        return self.submit(spec).result()
+    def compile(self, spec: StructuredOutputsParams, timeout_s: float | None = None):
+        """The pristine matcher of `spec`, waiting for it (for tools and tests; the engine never calls this)."""
+        return self.submit(spec).result(timeout_s)
 
     def _compile(self, spec: StructuredOutputsParams):
         from llguidance import LLMatcher
@@ -135,9 +163,15 @@ class GuidedDecoder:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
-        """Start a matcher for a sequence; raises ValueError for a bad spec (waits if still compiling)."""
-        self._matchers[request_id] = self.compiler.compile(spec).deep_copy()
+    def start(self, request_id: str, pristine: Any, accepted: Sequence[int] = ()) -> None:
+        """Give a sequence its own copy of a compiled grammar's matcher, advanced over `accepted` (tokens it
+        already took elsewhere, e.g. on the prefill instance of a disaggregated request)."""
+        matcher = self._matchers[request_id] = pristine.deep_copy()
+        for token in accepted:
+            if not matcher.consume_token(token):
+                logger.warning("request %s: carried-over token %d rejected by its grammar: %s", request_id, token,
+                               _first_line(matcher.get_error()))
+                break
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

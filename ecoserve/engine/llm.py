@@ -75,6 +75,12 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)
+                for rid, error in engine.take_failed():  # e.g. a grammar past its compile deadline
+                    if rid in order:
+                        raise ValueError(f"prompt {order[rid]}: {error}") from error
+                grammar_wait = engine.grammar_wait_s() if engine.last_step_empty else None
+                if grammar_wait is not None:  # only grammars compiling: wait for one, do not spin
+                    engine.wait_for_grammars(grammar_wait)
         except BaseException:
             engine.abort_request(list(order))
             raise

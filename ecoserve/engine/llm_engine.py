@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -74,6 +76,16 @@ class _Parent:
         return all(c.request.finished for c in self.children)
 
 
+@dataclass
+class _GrammarWait:
+    """A request whose grammar is still compiling: its samples are held out of scheduling until `future` is done."""
+
+    parent: _Parent
+    future: Future
+    deadline: float  # time.monotonic() after which it fails
+    accepted: tuple[int, ...]  # tokens its grammar already took elsewhere (the prompt's tail)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None, **kwargs: Any) -> None:
         from ecoserve.model.loader import load_model
@@ -114,8 +126,13 @@ class LLMEngine:
                                                                 num_stages=parallel.pipeline_parallel_size))
         self.scheduler = Scheduler(sched_config, config.cache, num_blocks, self.clock, self.max_model_len)
         # Matchers of constrained sequences live here, in the engine's process (also in a cluster instance).
-        self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids))
+        self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids),
+                                                    config.structured_outputs.cache_size)
                                     ) if self.tokenizer is not None else None
+        self.grammar_compile_timeout_s = config.structured_outputs.compile_timeout_s
+        self._grammar_waits: dict[str, _GrammarWait] = {}
+        self._failed: list[tuple[str, Exception]] = []  # requests that failed after add_request returned
+        self.on_grammar_ready: Callable[[], None] | None = None  # called on the grammar thread: wake the stepper
         if parallel.world_size == 1:
             loaded.model.ensure_positions(self.max_model_len)
             self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed)
@@ -190,11 +207,13 @@ class LLMEngine:
         return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, grammar_accepted: Sequence[int] = ()) -> None:
         """Validate and queue; on error nothing is queued and other requests are untouched.
 
-        A structured-output grammar not compiled yet is compiled here, blocking; the AsyncEngine
-        compiles it on a worker thread before it calls this.
+        Never compiles a grammar here: one not compiled yet is compiled on the grammar threads while
+        the request waits unscheduled; `step()` starts it when it is ready, or fails it (see
+        `take_failed`) at its compile deadline. A grammar already known to be bad raises ValueError.
+        `grammar_accepted`: tokens at the end of the prompt that the grammar took on another instance.
         """
         params = self.validate_params(params or SamplingParams())
         if request_id in self._parents:
@@ -204,8 +223,11 @@ class LLMEngine:
                              f"samples, got {request_id!r}")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        grammar = None
         if params.structured_outputs is not None:
-            self.guided.compiler.compile(params.structured_outputs)  # raises ValueError for a bad spec
+            grammar = self.guided.compiler.submit(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()  # a bad spec, compiled before
         arrival = self.clock.now() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, token_ids,
                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
@@ -222,13 +244,20 @@ class LLMEngine:
                                           OutputHistory(logprobs=[] if wants_logprobs else None)))
         for child in parent.children:  # all of them, before any is queued
             self.scheduler.check_request(child.request)
+        accepted = tuple(grammar_accepted)
+        ready = grammar is None or grammar.done()
         for child in parent.children:
-            self.scheduler.add_request(child.request)
+            self.scheduler.add_request(child.request, wait_for_grammar=not ready)
             self._child_to_parent[child.request.request_id] = parent
-            if params.structured_outputs is not None:
-                self.guided.add(child.request.request_id, params.structured_outputs)
+            if grammar is not None and ready:
+                self.guided.start(child.request.request_id, grammar.result(), accepted)
         self._parents[request_id] = parent
         self.stats["prompt_tokens"] += len(token_ids)
+        if not ready:
+            self._grammar_waits[request_id] = _GrammarWait(
+                parent, grammar, time.monotonic() + self.grammar_compile_timeout_s, accepted)
+            if self.on_grammar_ready is not None:
+                grammar.add_done_callback(lambda _: self.on_grammar_ready())
 
     def abort_request(self, request_ids: str | list[str]) -> list[str]:
         """Abort unfinished requests and free their KV; returns the ids that were still unfinished."""
@@ -238,6 +267,7 @@ class LLMEngine:
             if parent is None:
                 continue
             self.scheduler.abort_requests([c.request.request_id for c in parent.children])
+            self._grammar_waits.pop(rid, None)
             self._forget(parent)
             aborted.append(rid)
         if aborted and not self.scheduler.has_unfinished_requests():
@@ -251,6 +281,60 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 
+    # ---- requests waiting for their grammar ------------------------------------------------
+    def take_failed(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of requests that failed inside `step()` since the last call; they are forgotten."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def grammar_wait_s(self) -> float | None:
+        """Seconds until something can change when every unfinished request waits for a grammar that is not
+        ready (the earliest compile deadline; a grammar's completion calls `on_grammar_ready` sooner); None
+        when a step could do work now."""
+        waits = self._grammar_waits
+        if not waits or self._in_flight or self.scheduler.has_unfinished_requests():
+            return None
+        if any(w.future.done() for w in waits.values()):
+            return None
+        return max(0.0, min(w.deadline for w in waits.values()) - time.monotonic())
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` until a pending grammar is compiled (for a caller that steps in a loop and has
+        nothing else to do: see `grammar_wait_s`)."""
+        futures = [w.future for w in self._grammar_waits.values()]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def _start_ready_grammars(self) -> None:
+        """Requests whose grammar is compiled join the scheduler's queue; a bad grammar, or one past its compile
+        deadline, fails its request alone. A cheap poll of futures: never blocks."""
+        now = time.monotonic()
+        for rid, w in list(self._grammar_waits.items()):
+            if w.future.done():
+                error = w.future.exception()
+                if error is None:
+                    del self._grammar_waits[rid]
+                    for child in w.parent.children:
+                        self.guided.start(child.request.request_id, w.future.result(), w.accepted)
+                        self.scheduler.grammar_ready(child.request.request_id)
+                    continue
+            elif now >= w.deadline:
+                spec = w.parent.children[0].request.sampling_params.structured_outputs
+                error = ValueError(f"the structured output grammar ({spec.kind}) did not compile within "
+                                   f"{self.grammar_compile_timeout_s:g} s; simplify it (the limit is "
+                                   f"--grammar-compile-timeout)")
+            else:
+                continue
+            del self._grammar_waits[rid]
+            self._fail(w.parent, error)
+
+    def _fail(self, parent: _Parent, error: Exception) -> None:
+        """End one request with an error that `take_failed` reports; nothing else is touched."""
+        self.scheduler.abort_requests([c.request.request_id for c in parent.children])
+        self._parents.pop(parent.request_id, None)
+        self._forget(parent)
+        self._failed.append((parent.request_id, error))
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Submit batches while fewer than max_concurrent_batches are in flight and the scheduler has work, then
@@ -258,6 +342,8 @@ class LLMEngine:
 
         With one batch in flight (the default without pipeline parallelism) this is schedule, run, update.
         """
+        if self._grammar_waits:
+            self._start_ready_grammars()
         in_flight = self._in_flight
         while len(in_flight) < self.max_in_flight:
             out = self.scheduler.schedule()

@@ -52,8 +52,10 @@ class RealEngine:
 
     def add(self, msg: AddRequest) -> None:
         """Queue a request (ValueError for bad input or a duplicate id; nothing changes then)."""
+        # a decode leg's grammar starts where the other instance left it: after the outputs at the prompt's end
+        carried = msg.prompt_token_ids[-msg.num_output_tokens:] if msg.num_output_tokens else ()
         self.engine.add_request(msg.request_id, {"prompt": msg.prompt, "prompt_token_ids": msg.prompt_token_ids},
-                                msg.params)
+                                msg.params, grammar_accepted=carried)
         if msg.pin_kv:
             self.scheduler.kv.pin(msg.request_id)
         try:
@@ -61,9 +63,6 @@ class RealEngine:
         except ValueError:
             self.engine.abort_request(msg.request_id)
             raise
-        if msg.num_output_tokens and msg.params.structured_outputs is not None:
-            for token in msg.prompt_token_ids[-msg.num_output_tokens:]:  # where the other instance left its grammar
-                self.engine.guided.accept(msg.request_id, token)
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort_request(request_ids)
@@ -74,8 +73,13 @@ class RealEngine:
 
     @property
     def stuck(self) -> bool:
-        """The last step could schedule nothing (e.g. prompts waiting for a window): only a command helps."""
+        """The last step could schedule nothing (e.g. prompts waiting for a window, or for their grammars, which
+        the next step starts once compiled): the loop polls slowly instead of spinning."""
         return self.engine.last_step_empty
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, reason) of requests the engine failed in its steps since the last call."""
+        return [(rid, str(error)) for rid, error in self.engine.take_failed()]
 
     def step(self) -> list[Delta]:
         deltas = []
@@ -188,6 +192,9 @@ class MockEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        return []  # no grammars, nothing fails after it was added
 
     def step(self) -> list[Delta]:
         out = self.scheduler.schedule()

@@ -34,6 +34,9 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.policy = make_policy(config.policy)
         self.waiting: deque[Request] = deque()
+        # queued, but not schedulable until their structured-output grammar is compiled (vLLM's WAITING_FOR_FSM):
+        # policies never see them and they take no KV, except blocks imported for them (see kv.adopt)
+        self.waiting_for_grammar: dict[str, Request] = {}
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._order: dict[str, int] = {}
@@ -62,14 +65,25 @@ class Scheduler:
         return self.window.close(self.clock.now(), (r.request_id for r in self.waiting))
 
     # ---- requests in and out -------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        """Queue a request; reject what could never run, leaving everything else untouched."""
+    def add_request(self, req: Request, wait_for_grammar: bool = False) -> None:
+        """Queue a request; reject what could never run, leaving everything else untouched.
+
+        With `wait_for_grammar` it is held out of scheduling until `grammar_ready(request_id)`."""
         self.check_request(req)
         if req.max_model_len is None:
             req.max_model_len = self.max_model_len
         self.requests[req.request_id] = req
         self._order[req.request_id] = next(self._counter)
-        self.waiting.append(req)
+        if wait_for_grammar:
+            self.waiting_for_grammar[req.request_id] = req
+        else:
+            self.waiting.append(req)
+
+    def grammar_ready(self, request_id: str) -> None:
+        """A held request's grammar is compiled: it joins the waiting queue (at the back, like a new arrival)."""
+        req = self.waiting_for_grammar.pop(request_id, None)
+        if req is not None:
+            self.waiting.append(req)
 
     def check_request(self, req: Request) -> None:
         """Raise ValueError if `add_request(req)` would refuse it; changes nothing."""
@@ -99,7 +113,7 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif self.waiting_for_grammar.pop(req.request_id, None) is None:
             try:
                 self.waiting.remove(req)
             except ValueError:
