@@ -57,8 +57,9 @@ DEFAULT_COMPILE_TIMEOUT_S = 30.0  # how long a request waits for its grammar bef
 
 
 def default_compile_workers() -> int:
-    """Compile threads: half the cores (as vLLM's grammar pool), at least 1, at most 4."""
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+    """Compile threads: half the cores (as vLLM's grammar pool), at most 4, and at least 2 so that one slow
+    grammar does not hold up every other until its deadline."""
+    return max(2, min(4, (os.cpu_count() or 2) // 2))
 
 
 class GrammarCompiler:
