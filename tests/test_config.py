@@ -10,7 +10,8 @@ from ecoserve.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConf
 from ecoserve.engine.llm import LLM
 
 FIELDS = dataclasses.fields(EngineArgs)
-RENAMED = {"scheduling_policy": "policy"}  # EngineArgs name -> the typed config's
+RENAMED = {"scheduling_policy": "policy", "grammar_compile_timeout_s": "compile_timeout_s",
+           "grammar_cache_size": "cache_size"}  # EngineArgs name -> the typed config's
 
 
 def non_default(f: dataclasses.Field) -> typing.Any:
@@ -66,7 +67,7 @@ def test_every_field_reaches_the_typed_config():
     args = every_field_set()
     config = args.create_engine_config()
     flat = {k: v for k, v in vars(config).items() if not dataclasses.is_dataclass(v)}
-    for part in (config.cache, config.scheduler, config.parallel):
+    for part in (config.cache, config.scheduler, config.parallel, config.structured_outputs):
         flat.update(vars(part))
     for f in FIELDS:
         assert flat[RENAMED.get(f.name, f.name)] == getattr(args, f.name), f.name
