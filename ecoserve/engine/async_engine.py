@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ecoserve.engine.guided import compile_error
 from ecoserve.engine.llm_engine import LLMEngine
 from ecoserve.request import RequestOutput
 from ecoserve.sampling import SamplingParams
@@ -75,11 +76,14 @@ async def check_grammar(compiler: "GrammarCompiler | None", spec: StructuredOutp
     `timeout_s`, or a model without a tokenizer."""
     if compiler is None:
         raise ValueError("structured outputs need a tokenizer, and this server has none")
+    future = compiler.submit(spec)
     try:  # shielded: the compilation stays cached for the requests that share it
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiler.submit(spec))), timeout_s)
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
     except asyncio.TimeoutError:
         raise ValueError(f"the structured output grammar ({spec.kind}) did not compile within {timeout_s:g} s; "
                          f"simplify it (the limit is --grammar-compile-timeout)") from None
+    except Exception:
+        raise compile_error(future) from None
 
 
 class StepObserver(Protocol):

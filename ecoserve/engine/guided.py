@@ -124,6 +124,17 @@ class GrammarCompiler:
         return matcher
 
 
+def compile_error(future: Future) -> Exception | None:
+    """A finished compilation's error as a new exception for one request (the future's own one is shared by every
+    request of that spec, and each raise of a shared exception would lengthen its traceback); None if it compiled."""
+    error = future.exception()
+    if error is None:
+        return None
+    if isinstance(error, ValueError):
+        return ValueError(str(error))
+    return RuntimeError(f"the grammar failed to compile: {error!r}")
+
+
 def _first_line(message: str) -> str:
     lines = [ln for ln in message.splitlines() if ln.strip()]
     return " ".join(lines[:3]) if lines else "the grammar was rejected"

@@ -15,7 +15,7 @@ from ecoserve.config import EngineConfig
 from ecoserve.engine.kv_cache import PagedKVCache
 from ecoserve.engine.cpu import tune_allocator
 from ecoserve.engine.detokenizer import IncrementalDetokenizer
-from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder
+from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder, compile_error
 from ecoserve.engine.model_runner import ModelRunner
 from ecoserve.request import (CompletionOutput, Logprobs, OutputHistory, Request, RequestMetrics, RequestOutput,
                               RequestStatus)
@@ -226,8 +226,8 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.guided.compiler.submit(params.structured_outputs)
-            if grammar.done() and grammar.exception() is not None:
-                raise grammar.exception()  # a bad spec, compiled before
+            if grammar.done() and (error := compile_error(grammar)) is not None:
+                raise error  # a bad spec, compiled before
         arrival = self.clock.now() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, token_ids,
                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
@@ -311,7 +311,7 @@ class LLMEngine:
         now = time.monotonic()
         for rid, w in list(self._grammar_waits.items()):
             if w.future.done():
-                error = w.future.exception()
+                error = compile_error(w.future)
                 if error is None:
                     del self._grammar_waits[rid]
                     for child in w.parent.children:

@@ -6,6 +6,11 @@ of different CPUs (a home directory on Ray nodes) must not hand one a binary bui
 Ninja rebuilds a kernel when its source or the shared `simd.h` (the vector helpers and
 exponentials the kernels share) changes.
 
+The paged kernels check what they index before they read (bounds.h): shapes, context lengths
+against the table width, and every block id a row reads against the cache, O(rows x blocks) per call
+(0.3 us for 32 decodes of 256 tokens, against about 3-12 ms for a decode step of the tiny test model); a
+bad table is a RuntimeError that names the row, column and value.
+
 The engine works without them: if the compiler or ninja is missing, or ECOSERVE_NO_NATIVE=1,
 `paged_decode()` and `paged_prefill()` return None and attention falls back to torch SDPA (over
 gathered blocks for decodes), `fused_ops()` returns None and the layers run torch's elementwise
