@@ -83,7 +83,8 @@ class _GrammarWait:
     parent: _Parent
     future: Future
     deadline: float  # time.monotonic() after which it fails
-    accepted: tuple[int, ...]  # tokens its grammar already took elsewhere (the prompt's tail)
+    timeout_s: float  # the compile timeout it was added with (for its error)
+    accepted: tuple[int, ...] = ()  # tokens its grammar already took elsewhere (the prompt's tail)
 
 
 class LLMEngine:
@@ -223,10 +224,11 @@ class LLMEngine:
                              f"samples, got {request_id!r}")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        grammar = None
+        grammar, ready = None, True
         if params.structured_outputs is not None:
             grammar = self.guided.compiler.submit(params.structured_outputs)
-            if grammar.done() and (error := compile_error(grammar)) is not None:
+            ready = grammar.done()  # decided once: the future may finish on its thread at any moment
+            if ready and (error := compile_error(grammar)) is not None:
                 raise error  # a bad spec, compiled before
         arrival = self.clock.now() if arrival_time is None else arrival_time
         parent = _Parent(request_id, text, token_ids,
@@ -245,7 +247,6 @@ class LLMEngine:
         for child in parent.children:  # all of them, before any is queued
             self.scheduler.check_request(child.request)
         accepted = tuple(grammar_accepted)
-        ready = grammar is None or grammar.done()
         for child in parent.children:
             self.scheduler.add_request(child.request, wait_for_grammar=not ready)
             self._child_to_parent[child.request.request_id] = parent
@@ -255,9 +256,11 @@ class LLMEngine:
         self.stats["prompt_tokens"] += len(token_ids)
         if not ready:
             self._grammar_waits[request_id] = _GrammarWait(
-                parent, grammar, time.monotonic() + self.grammar_compile_timeout_s, accepted)
-            if self.on_grammar_ready is not None:
-                grammar.add_done_callback(lambda _: self.on_grammar_ready())
+                parent, grammar, time.monotonic() + self.grammar_compile_timeout_s, self.grammar_compile_timeout_s,
+                accepted)
+            wake = self.on_grammar_ready
+            if wake is not None:
+                grammar.add_done_callback(lambda _: wake())
 
     def abort_request(self, request_ids: str | list[str]) -> list[str]:
         """Abort unfinished requests and free their KV; returns the ids that were still unfinished."""
@@ -321,15 +324,16 @@ class LLMEngine:
             elif now >= w.deadline:
                 spec = w.parent.children[0].request.sampling_params.structured_outputs
                 error = ValueError(f"the structured output grammar ({spec.kind}) did not compile within "
-                                   f"{self.grammar_compile_timeout_s:g} s; simplify it (the limit is "
+                                   f"{w.timeout_s:g} s; simplify it (the limit is "
                                    f"--grammar-compile-timeout)")
             else:
                 continue
             del self._grammar_waits[rid]
-            self._fail(w.parent, error)
+            self._fail_waiting(w.parent, error)
 
-    def _fail(self, parent: _Parent, error: Exception) -> None:
-        """End one request with an error that `take_failed` reports; nothing else is touched."""
+    def _fail_waiting(self, parent: _Parent, error: Exception) -> None:
+        """End a request that waited for its grammar with an error that `take_failed` reports; nothing else is
+        touched."""
         self.scheduler.abort_requests([c.request.request_id for c in parent.children])
         self._parents.pop(parent.request_id, None)
         self._forget(parent)
