@@ -208,7 +208,7 @@ class EngineArgs:
                                         help="prompt plus output tokens per request (default: the model's)")
     max_waiting: int | None = _option(
         _SCHED.max_waiting, "--max-waiting-requests", type=int,
-        help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
+        help="refuse new requests with 503 + Retry-After while this many wait (default: unbounded)")
     block_size: int = _option(_CACHE.block_size, "--block-size", type=int, help="tokens per KV block")
     kv_cache_memory_bytes: int | None = _option(
         _CACHE.kv_cache_memory_bytes, "--kv-cache-memory-bytes", type=int,

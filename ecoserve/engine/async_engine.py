@@ -294,7 +294,11 @@ class AsyncEngine:
             except Exception as e:  # a bad request must not take the loop down
                 self._call_soon(self._fail, request_id, e)
         elif kind == "abort":
-            aborted = self.engine.abort_request(request_id)
+            try:
+                aborted = self.engine.abort_request(request_id)
+            except Exception:  # one request's abort must not take the loop down
+                logger.exception("aborting request %s failed", request_id)
+                return
             if aborted:
                 self._observe("on_abort", aborted)
 
@@ -334,10 +338,15 @@ class AsyncEngine:
                     self._apply(command)
                 if not engine.has_unfinished_requests():
                     continue
-                outputs = engine.step()
+                outputs = engine.step()  # raises only for the whole batch (a failed forward): the loop dies
                 self._observe("on_step", outputs)
                 if outputs:
                     self._call_soon(self._deliver, outputs)
+                failed = engine.take_failed()  # requests a step failed alone: their streams get the error
+                if failed:
+                    self._observe("on_abort", list(failed))
+                    for request_id, error in failed.items():
+                        self._call_soon(self._fail, request_id, error)
         except BaseException as e:
             logger.exception("the engine loop died")
             self.dead_error = e
