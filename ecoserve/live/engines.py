@@ -89,6 +89,12 @@ class RealEngine:
             deltas.extend(deltas_of(out, first))
         return deltas
 
+    def take_failed(self) -> dict[str, str]:
+        """Requests the last steps failed alone (already aborted here), with why."""
+        failed = self.engine.take_failed()
+        self._prompt_logprobs_sent.difference_update(failed)
+        return {rid: str(error) for rid, error in failed.items()}
+
     def profile(self, token_counts: tuple[int, ...]) -> list[tuple[int, float]]:
         """Time one prefill of each size (the router's tokens -> time table); nothing stays queued."""
         from ecoserve.sampling import SamplingParams
@@ -206,6 +212,10 @@ class MockEngine:
                 if req.finished:
                     del self._requests[req.request_id]
         return deltas
+
+    def take_failed(self) -> dict[str, str]:
+        """A mock step fails no request on its own."""
+        return {}
 
     def profile(self, token_counts: tuple[int, ...]) -> list[tuple[int, float]]:
         return self.perf.table.rows

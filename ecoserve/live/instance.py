@@ -124,6 +124,8 @@ class InstanceLoop:
                 if deltas:
                     self.send(m.Outputs(deltas))
                     self._check_paused(deltas)
+                for request_id, reason in self.engine.take_failed().items():  # each failed alone; we go on
+                    self.send(m.RequestFailed(request_id, reason))
                 status_dirty = True
             now = time.monotonic()
             if status_dirty or now - last_status >= self.opts.status_interval_s:

@@ -7,6 +7,7 @@ choices of SSE chunks, which `sse_response` frames and ends with usage, an error
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -57,8 +58,9 @@ def engine_error(e: BaseException) -> APIError:
     """The HTTP error for an exception from the engine side."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, ValueError):
-        return bad_request(str(e))
+    if isinstance(e, ValueError):  # the engine's checks start with the field they refuse
+        field_name = str(e).split(" ", 1)[0]
+        return bad_request(str(e), param=field_name if field_name in _PARAM_FIELDS else None)
     if isinstance(e, EngineOverloadedError):
         return APIError(503, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, EngineShutdownError):
@@ -66,6 +68,9 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead")
     return APIError(500, f"internal server error: {type(e).__name__}: {e}")
+
+
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
