@@ -75,6 +75,9 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)
+                for request_id, error in engine.take_failed().items():
+                    if request_id in order:  # one of ours failed alone in a step: the call reports it
+                        raise error
         except BaseException:
             engine.abort_request(list(order))
             raise

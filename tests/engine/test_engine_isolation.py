@@ -91,6 +91,19 @@ def test_sample_seeds_stay_in_int64():
         SamplingParams(seed=2**63)
 
 
+def test_offline_llm_reports_the_failed_request_and_goes_on(tiny_model):
+    from ecoserve.engine.llm import LLM
+
+    llm = LLM(tiny_model, **ENGINE_KWARGS)
+    poison_outputs(llm.llm_engine)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(RequestFailedError, match="injected fault"):
+        llm.generate(["fine", f"{POISON} prompt"], greedy, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate(["fine"], greedy, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model):
     running = start_server(tiny_model)
