@@ -225,3 +225,41 @@ def test_the_cluster_frontends_overload_maps_to_503_too():
     error = engine_error(EngineOverloadedError("the waiting queue is full (4 requests); retry later"))
     assert error.status == 503 and error.headers == {"Retry-After": "1"} and error.code == "queue_full"
     assert json.loads(error.response().body)["error"]["type"] == "service_unavailable"
+
+
+def test_tokenizer_work_runs_on_the_tokenizer_pool(server):
+    """encode, decode and the chat template of whole texts run on the pool's threads, never the event loop's."""
+    import threading
+
+    tokenizer = server.engine.model.tokenizer
+    threads: dict[str, set[str]] = {"encode": set(), "decode": set(), "apply_chat_template": set()}
+    on_loop: list[str] = []
+    originals = {name: getattr(tokenizer, name) for name in threads}
+
+    def recording(name):
+        def call(*args, **kwargs):
+            threads[name].add(threading.current_thread().name)
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(name)
+            except RuntimeError:  # no loop in this thread: the pool (or the engine's own thread)
+                pass
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in threads:
+        setattr(tokenizer, name, recording(name))
+    try:
+        for path, body in [(CMPL, {"prompt": "hello", "max_tokens": 2}),
+                           (CMPL, {"prompt": [5, 6, 7], "max_tokens": 2, "echo": True}),
+                           (CHAT, {"messages": USER, "max_tokens": 2}),
+                           ("/tokenize", {"prompt": "hello"}), ("/tokenize", {"messages": USER}),
+                           ("/detokenize", {"tokens": [5, 6, 7]})]:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 200, (path, r.text)
+    finally:
+        for name in threads:
+            delattr(tokenizer, name)
+    assert not on_loop, on_loop
+    for name, seen in threads.items():
+        assert any(t.startswith("ecoserve-tokenizer") for t in seen), (name, seen)
