@@ -223,7 +223,7 @@ class EngineArgs:
                                         help="prompt plus output tokens per request (default: the model's)")
     max_waiting: int | None = _option(
         _SCHED.max_waiting, "--max-waiting-requests", type=int,
-        help="refuse new requests with 429 + Retry-After while this many wait (default: unbounded)")
+        help="refuse new requests with 503 + Retry-After while this many wait (default: unbounded)")
     grammar_compile_timeout_s: float = _option(
         _STRUCT.compile_timeout_s, "--grammar-compile-timeout", type=float,
         help="seconds a structured-output request waits for its grammar to compile before it fails (alone)")

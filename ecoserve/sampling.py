@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 from ecoserve.structured import StructuredOutputsParams
 
+# A seed is an int64, as vLLM's protocol bounds it; torch.Generator.manual_seed accepts every one.
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -47,6 +50,10 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
 
+    def validate(self) -> None:
+        """Check every field again: params mutated after construction are refused before they reach a step."""
+        self._validate()
+
     def _validate(self) -> None:
         def need(ok: bool, name: str, rule: str, value: object) -> None:
             if not ok:
@@ -72,7 +79,9 @@ class SamplingParams:
              "logprobs", "None or an integer in [0, 20]", self.logprobs)
         need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
              "prompt_logprobs", "None or an integer in [0, 20]", self.prompt_logprobs)
-        need(self.seed is None or isinstance(self.seed, int), "seed", "None or an integer", self.seed)
+        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and SEED_MIN <= self.seed <= SEED_MAX),
+             "seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]", self.seed)
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
         need(self.detokenize or not self.stop, "stop", "empty when detokenize=False (stop strings are matched on text)",
              self.stop)

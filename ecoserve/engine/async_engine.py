@@ -303,22 +303,17 @@ class AsyncEngine:
             except Exception as e:  # a bad request must not take the loop down
                 self._call_soon(self._fail, request_id, e)
         elif kind == "abort":
-            aborted = self.engine.abort_request(request_id)
+            try:
+                aborted = self.engine.abort_request(request_id)
+            except Exception:  # one request's abort must not take the loop down
+                logger.exception("aborting request %s failed", request_id)
+                return
             if aborted:
                 self._observe("on_abort", aborted)
 
     def _wake(self) -> None:
         """A grammar finished compiling (on the grammar thread): the engine loop steps again now."""
         self._commands.put(_WAKE)
-
-    def _report_failed(self) -> None:
-        """Requests the engine failed inside its step (e.g. a grammar past its compile deadline) end with the error."""
-        failed = self.engine.take_failed()
-        if not failed:
-            return
-        for request_id, error in failed:
-            self._call_soon(self._fail, request_id, error)
-        self._observe("on_abort", [rid for rid, _ in failed])
 
     def _observe(self, method: str, arg: list) -> None:
         if self.observer is None:
@@ -361,11 +356,15 @@ class AsyncEngine:
                         self._apply(command)
                 if not engine.has_unfinished_requests():
                     continue
-                outputs = engine.step()
-                self._report_failed()
+                outputs = engine.step()  # raises only for the whole batch (a failed forward): the loop dies
                 self._observe("on_step", outputs)
                 if outputs:
                     self._call_soon(self._deliver, outputs)
+                failed = engine.take_failed()  # requests a step failed alone: their streams get the error
+                if failed:
+                    self._observe("on_abort", list(failed))
+                    for request_id, error in failed.items():
+                        self._call_soon(self._fail, request_id, error)
         except BaseException as e:
             logger.exception("the engine loop died")
             self.dead_error = e

@@ -75,9 +75,9 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         bar.update(1)
-                for rid, error in engine.take_failed():  # e.g. a grammar past its compile deadline
-                    if rid in order:
-                        raise ValueError(f"prompt {order[rid]}: {error}") from error
+                for request_id, error in engine.take_failed().items():
+                    if request_id in order:  # one of ours failed alone (its grammar, its own processing)
+                        raise type(error)(f"prompt {order[request_id]}: {error}") from error
                 grammar_wait = engine.grammar_wait_s() if engine.last_step_empty else None
                 if grammar_wait is not None:  # only grammars compiling: wait for one, do not spin
                     engine.wait_for_grammars(grammar_wait)

@@ -19,7 +19,7 @@ from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder, compile_error
 from ecoserve.engine.model_runner import ModelRunner
 from ecoserve.request import (CompletionOutput, Logprobs, OutputHistory, Request, RequestMetrics, RequestOutput,
                               RequestStatus)
-from ecoserve.sampling import SamplingParams
+from ecoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from ecoserve.sched.interface import SchedulerOutput
 from ecoserve.sched.scheduler import Scheduler
 
@@ -27,7 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 def validate_params(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> SamplingParams:
-    """Checks that need the model or tokenizer; returns the params to run with (also a cluster frontend's)."""
+    """Checks that need the model or tokenizer; returns the params to run with (also a cluster frontend's).
+
+    Every field is checked again, so params changed after construction fail here, not inside a step."""
+    params.validate()
     bad = [t for t in (params.logit_bias or {}) if t >= vocab_size]
     if bad:
         raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[:5]}")
@@ -47,6 +50,16 @@ SAMPLE_ID_SEP = "\x1f"  # reserved: user ids never contain it, so sample ids nev
 def sample_id(request_id: str, index: int) -> str:
     """The scheduler's id of sample `index` of an n > 1 request."""
     return f"{request_id}{SAMPLE_ID_SEP}{index}"
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Sample `index`'s seed: `seed + index`, wrapped into the int64 range a seed must stay in."""
+    span = SEED_MAX - SEED_MIN + 1
+    return (seed + index - SEED_MIN) % span + SEED_MIN
+
+
+class RequestFailedError(RuntimeError):
+    """One request raised inside a step; it alone was aborted and the engine went on."""
 
 
 @dataclass
@@ -132,7 +145,6 @@ class LLMEngine:
                                     ) if self.tokenizer is not None else None
         self.grammar_compile_timeout_s = config.structured_outputs.compile_timeout_s
         self._grammar_waits: dict[str, _GrammarWait] = {}
-        self._failed: list[tuple[str, Exception]] = []  # requests that failed after add_request returned
         self.on_grammar_ready: Callable[[], None] | None = None  # called on the grammar thread: wake the stepper
         if parallel.world_size == 1:
             loaded.model.ensure_positions(self.max_model_len)
@@ -146,6 +158,7 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
+        self._failed: dict[str, Exception] = {}  # requests that failed after add_request returned, until take_failed()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.last_step_empty = False  # the last step() found nothing it could schedule
 
@@ -236,7 +249,7 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i,
+                child_params = params.clone(n=1, seed=None if params.seed is None else sample_seed(params.seed, i),
                                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             rid = request_id if params.n == 1 else sample_id(request_id, i)
             req = Request(rid, token_ids, child_params, arrival, self.eos_token_ids, self.max_model_len)
@@ -285,11 +298,6 @@ class LLMEngine:
         return len(self._parents)
 
     # ---- requests waiting for their grammar ------------------------------------------------
-    def take_failed(self) -> list[tuple[str, Exception]]:
-        """(request id, error) of requests that failed inside `step()` since the last call; they are forgotten."""
-        failed, self._failed = self._failed, []
-        return failed
-
     def grammar_wait_s(self) -> float | None:
         """Seconds until something can change when every unfinished request waits for a grammar that is not
         ready (the earliest compile deadline; a grammar's completion calls `on_grammar_ready` sooner); None
@@ -337,7 +345,7 @@ class LLMEngine:
         self.scheduler.abort_requests([c.request.request_id for c in parent.children])
         self._parents.pop(parent.request_id, None)
         self._forget(parent)
-        self._failed.append((parent.request_id, error))
+        self._failed[parent.request_id] = error
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -369,23 +377,49 @@ class LLMEngine:
             child = parent.children[0] if len(parent.children) == 1 else next(
                 c for c in parent.children if c.request is chunk.request)
             rid = chunk.request.request_id
-            if rid in result.prompt_logprobs and parent.prompt_logprobs is not None:
-                have = len(parent.prompt_logprobs)
-                new = result.prompt_logprobs[rid]
-                skip = have - 1 - chunk.start  # positions already recorded before a preemption
-                parent.prompt_logprobs.extend(new[max(skip, 0):])
-            if rid in result.sampled:
-                self._process_token(child, result)
-                touched[parent.request_id] = parent
+            try:
+                if rid in result.prompt_logprobs and parent.prompt_logprobs is not None:
+                    have = len(parent.prompt_logprobs)
+                    new = result.prompt_logprobs[rid]
+                    skip = have - 1 - chunk.start  # positions already recorded before a preemption
+                    parent.prompt_logprobs.extend(new[max(skip, 0):])
+                if rid in result.sampled:
+                    self._process_token(child, result)
+                    touched[parent.request_id] = parent
+            except Exception as e:  # this request's own processing: it fails alone
+                self._fail_request(parent, e)
         outputs = []
         for parent in touched.values():
-            outputs.append(self._make_output(parent))
+            if parent.request_id not in self._parents:
+                continue  # failed after it was touched
+            try:
+                outputs.append(self._make_output(parent))
+            except Exception as e:
+                self._fail_request(parent, e)
+                continue
             if parent.finished:
                 del self._parents[parent.request_id]
                 self._forget(parent)
         if not self.scheduler.has_unfinished_requests():
             self.flush_finished()
         return outputs
+
+    def _fail_request(self, parent: _Parent, error: Exception) -> None:
+        """Abort one request whose own step processing raised; its error waits for `take_failed`."""
+        logger.exception("request %s failed in the engine step; it is aborted, the engine goes on",
+                         parent.request_id, exc_info=error)
+        if self._parents.pop(parent.request_id, None) is None:
+            return
+        self.scheduler.abort_requests([c.request.request_id for c in parent.children])
+        self._forget(parent)
+        self._failed[parent.request_id] = RequestFailedError(
+            f"request {parent.request_id!r} failed in the engine and was aborted: {type(error).__name__}: {error}")
+
+    def take_failed(self) -> dict[str, Exception]:
+        """The requests steps failed since the last call (each aborted alone: a grammar past its deadline, an
+        exception in its own processing), with their errors."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def _grammar_masks(self, out: SchedulerOutput):
         """Bitmasks of the batch's constrained sampling rows, from matchers that have seen every earlier token."""

@@ -77,10 +77,6 @@ class RealEngine:
         the next step starts once compiled): the loop polls slowly instead of spinning."""
         return self.engine.last_step_empty
 
-    def take_failed(self) -> list[tuple[str, str]]:
-        """(request id, reason) of requests the engine failed in its steps since the last call."""
-        return [(rid, str(error)) for rid, error in self.engine.take_failed()]
-
     def step(self) -> list[Delta]:
         deltas = []
         sent = self._prompt_logprobs_sent
@@ -92,6 +88,12 @@ class RealEngine:
                 sent.discard(out.request_id)
             deltas.extend(deltas_of(out, first))
         return deltas
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests the last steps failed alone (already aborted here), with why."""
+        failed = self.engine.take_failed()
+        self._prompt_logprobs_sent.difference_update(failed)
+        return {rid: str(error) for rid, error in failed.items()}
 
     def profile(self, token_counts: tuple[int, ...]) -> list[tuple[int, float]]:
         """Time one prefill of each size (the router's tokens -> time table); nothing stays queued."""
@@ -193,9 +195,6 @@ class MockEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def take_failed(self) -> list[tuple[str, str]]:
-        return []  # no grammars, nothing fails after it was added
-
     def step(self) -> list[Delta]:
         out = self.scheduler.schedule()
         self.stuck = out.is_empty
@@ -213,6 +212,10 @@ class MockEngine:
                 if req.finished:
                     del self._requests[req.request_id]
         return deltas
+
+    def take_failed(self) -> dict[str, str]:
+        """A mock step fails no request on its own."""
+        return {}
 
     def profile(self, token_counts: tuple[int, ...]) -> list[tuple[int, float]]:
         return self.perf.table.rows

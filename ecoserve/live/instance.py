@@ -124,7 +124,7 @@ class InstanceLoop:
                 if deltas:
                     self.send(m.Outputs(deltas))
                     self._check_paused(deltas)
-                for request_id, reason in self.engine.take_failed():
+                for request_id, reason in self.engine.take_failed().items():  # each failed alone; we go on
                     self._pinned.pop(request_id, None)
                     self.send(m.RequestFailed(request_id, reason))
                 status_dirty = True

@@ -82,7 +82,8 @@ def cluster_router(cluster: ClusterReadout) -> APIRouter:
                                else round(v.status_age_s, 3)} for v in views],
                 "counters": dict(cluster.counters)}
 
-    @router.post("/cluster/scale", response_model=None)
+    # tagged admin: it drains instances, so the server serves it only with --enable-admin-api
+    @router.post("/cluster/scale", response_model=None, tags=["admin"])
     async def scale(raw: Request) -> dict | JSONResponse:
         try:
             body = await raw.json()

@@ -6,13 +6,14 @@ import time
 from contextlib import asynccontextmanager
 from typing import Sequence
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 import ecoserve
-from ecoserve.server.auth import install_api_key
+from ecoserve.server.auth import admin_api_guard, install_api_key
+from ecoserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from ecoserve.server.chat import create_chat_completion, encode_chat
 from ecoserve.server.completions import create_completion
 from ecoserve.server.engine_client import EngineClient
@@ -30,14 +31,16 @@ GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 
 def create_app(engine: EngineClient, served_model_name: str | None = None, generation_config: str = "auto", *,
                api_key: str | None = None, metrics_prefix: str = "ecoserve", tool_call_parser: str | None = None,
-               routers: Sequence[APIRouter] = ()) -> FastAPI:
+               routers: Sequence[APIRouter] = (), max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               enable_admin_api: bool = False, metrics_public: bool = False) -> FastAPI:
     """An app serving `engine`; the engine starts with the app's lifespan and stops with it.
 
     generation_config "auto": sampling fields a request omits take the model's generation_config.json
     values (as vLLM's `--generation-config auto`); "vllm": they take OpenAI's defaults. `api_key`
-    guards the /v1 routes; `metrics_prefix` names the /metrics series (`vllm` for vLLM's dashboards);
-    `tool_call_parser` reads tool calls out of the text for tool_choice "auto"; `routers` add routes
-    of the engine's own (a cluster's /cluster).
+    guards every route but /health (and /metrics when `metrics_public`); `metrics_prefix` names the
+    /metrics series (`vllm` for vLLM's dashboards); `tool_call_parser` reads tool calls out of the text
+    for tool_choice "auto"; `routers` add routes of the engine's own (a cluster's /cluster), those
+    tagged `admin` served only with `enable_admin_api`; a body over `max_request_body_bytes` is a 413.
     """
     if generation_config not in GENERATION_CONFIG_CHOICES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
@@ -52,14 +55,18 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        yield
-        await engine.stop()
+        try:
+            yield
+        finally:
+            await engine.stop()
+            state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ecoserve", version=getattr(ecoserve, "__version__", "0"), lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
     if api_key:
-        install_api_key(app, api_key)
+        install_api_key(app, api_key, metrics_public)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(raw: Request) -> Response:
@@ -104,9 +111,11 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = encode_chat(state.tokenizer, body.messages, body.add_generation_prompt).token_ids
+            prompt = await state.off_loop(encode_chat, state.tokenizer, body.messages, body.add_generation_prompt)
+            ids = prompt.token_ids
         else:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await state.off_loop(state.tokenizer.encode, body.prompt,
+                                       add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest))
@@ -117,10 +126,11 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens)}
 
+    guard = admin_api_guard(enable_admin_api)
     for router in routers:
-        app.include_router(router)
+        app.include_router(router, dependencies=[Depends(guard)])
     _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
 

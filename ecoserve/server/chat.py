@@ -23,7 +23,7 @@ from ecoserve.server.tools import ToolCalling, ToolStream, check_tools
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
-    chat = chat_input(state, body)
+    chat = await chat_input(state, body)
     job = await Job.start(state, "chatcmpl", [chat.prompt], chat.params, chat.structured_param)
     if body.stream:
         return sse_response(job, "chat.completion.chunk", _chunks(state, body, chat.calling, job),
@@ -46,25 +46,31 @@ class ChatInput:
     calling: ToolCalling
 
 
-def chat_input(state: ServerState, body: ChatCompletionRequest) -> ChatInput:
-    """Check the request, then template the messages (with the tools) and build its sampling parameters."""
-    body.check()
+async def chat_input(state: ServerState, body: ChatCompletionRequest) -> ChatInput:
+    """Check the request, then template the messages (with the tools, on the tokenizer pool) and build its
+    sampling parameters."""
+    body.check(state.max_model_len)
     check_tools(body.tools, body.tool_choice)
     state.check_model(body.model)
     calling = ToolCalling.of(body.tools, body.tool_choice, state.tool_parser)
     structured, param = calling.constraint(body.requested_structure(), body.tools, body.tool_choice,
                                            body.parallel_tool_calls)
-    prompt = encode_chat(state.tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
-                         calling.template_tools(body.tools))
+    state.check_prompt_chars(sum(len(m.text()) for m in body.messages), "messages")
+    prompt = await state.off_loop(encode_chat, state.tokenizer, body.messages, body.add_generation_prompt,
+                                  body.continue_final_message, calling.template_tools(body.tools), state)
     max_tokens = body.requested_max_tokens()
-    check_context(len(prompt.token_ids), max_tokens, state.max_model_len, "messages")
+    check_context(prompt, max_tokens, state.max_model_len, "messages")
     params = body.sampling_params(state.defaults, max_tokens, body.num_logprobs(), structured=structured)
     return ChatInput(prompt, params, param, calling)
 
 
 def encode_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, tools: list[dict] | None = None) -> Prompt:
-    """Apply the tokenizer's chat template (with the tools, when given); its special tokens are not added twice."""
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                limit_to: ServerState | None = None) -> Prompt:
+    """Apply the tokenizer's chat template (with the tools, when given); its special tokens are not added twice.
+
+    With `limit_to`, the text is tokenized only as far as that server's context can hold. Blocking: run
+    it on the tokenizer pool."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     conversation = [template_message(m) for m in messages]
@@ -73,6 +79,8 @@ def encode_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
                                              continue_final_message=continue_final_message, tools=tools)
     except Exception as e:  # template errors (e.g. roles that must alternate) are the client's to fix
         raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
+    if limit_to is not None:
+        return limit_to.encode_prompt(text, "messages", add_special_tokens=False)
     return Prompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 

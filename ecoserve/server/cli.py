@@ -10,6 +10,7 @@ import uvicorn
 
 from ecoserve.config import EngineArgs
 from ecoserve.server.auth import API_KEY_ENV
+from ecoserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from ecoserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # importing the engine pulls in torch: not for `ecoserve instance --mock-profile`
@@ -51,11 +52,20 @@ def run_server(args: argparse.Namespace, engine: EngineClient, routers: Sequence
 
     name = args.served_model_name or engine.model.name
     app = create_app(engine, name, args.generation_config, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                     metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser, routers=routers)
+                     metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser, routers=routers,
+                     max_request_body_bytes=args.max_request_body_bytes, enable_admin_api=args.enable_admin_api,
+                     metrics_public=args.metrics_public)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -74,8 +84,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(temperature 1.0, top_p 1.0). Default: %(default)s")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they get an error")
-    p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer <key>` on every /v1 route "
-                   f"(default: ${API_KEY_ENV} if set; /health and /metrics stay open)")
+    p.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer <key>` on every route but "
+                   f"/health: /v1, /tokenize, /detokenize, /version, /cluster, /metrics (unless --metrics-public) "
+                   f"(default: ${API_KEY_ENV} if set)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (for a scraper that cannot send it)")
+    p.add_argument("--enable-admin-api", action="store_true",
+                   help="serve the admin routes (POST /cluster/scale drains and adds instances); off by default, "
+                        "and with --api-key they need the key too")
+    p.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="refuse a request body larger than this with 413, before it is read (default: %(default)s, "
+                        "8 MiB)")
     p.add_argument("--metrics-prefix", default="ecoserve", help="prefix of the /metrics series; `vllm` lets "
                    "vLLM's Grafana dashboards and alerts read them unchanged")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

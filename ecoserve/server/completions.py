@@ -13,9 +13,9 @@ from ecoserve.server.serving import ChoiceDeltas, Job, Prompt, ServerState, Toke
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
-    body.check()
+    body.check(state.max_model_len)
     state.check_model(body.model)
-    prompts = _prompts(state, body)
+    prompts = await _prompts(state, body)
     num = body.logprobs
     structured, param = body.requested_structure()
     params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None,
@@ -32,14 +32,22 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
                          "model": state.model_name, "choices": choices, "usage": job.usage()})
 
 
-def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
-    prompts = []
+async def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
+    """Each prompt tokenized (or, given as ids and echoed, decoded) on the tokenizer pool, then checked."""
+    def prepare(p: str | list[int]) -> Prompt:
+        if isinstance(p, str):
+            return state.encode_prompt(p, "prompt")
+        if body.echo and len(p) <= state.max_model_len:
+            return Prompt(None, list(p), echo_text=state.tokenizer.decode(p))
+        return Prompt(None, list(p))
+
     for p in body.prompts():
         if isinstance(p, str):
-            prompt = Prompt(p, state.tokenizer.encode(p))
-        else:
-            prompt = Prompt(None, list(p))
-        check_context(len(prompt.token_ids), body.max_tokens, state.max_model_len, "prompt")
+            state.check_prompt_chars(len(p), "prompt")  # before anything is tokenized
+    prompts = []
+    for p in body.prompts():
+        prompt = await state.off_loop(prepare, p) if isinstance(p, str) or body.echo else Prompt(None, list(p))
+        check_context(prompt, body.max_tokens, state.max_model_len, "prompt")
         prompts.append(prompt)
     return prompts
 
@@ -65,7 +73,7 @@ def _choice(state: ServerState, body: CompletionRequest, job: Job, i: int, out: 
     lps: list[Logprobs | None] = list(logprobs)
     if echo:
         prompt = job.prompts[i]
-        text = (prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)) + text
+        text = (prompt.text if prompt.text is not None else prompt.echo_text or "") + text
         token_ids = out.prompt_token_ids + token_ids
         lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
     choice: dict[str, Any] = {"index": i * job.params.n + c.index, "text": text, "logprobs": None,

@@ -7,17 +7,30 @@ declared on the fields (so /openapi.json documents what is accepted) and a value
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from ecoserve.sampling import SamplingParams
+from ecoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from ecoserve.server.errors import APIError, bad_request
 from ecoserve.structured import StructuredOutputsParams
 
-MAX_N = 128
+# The limits on a request's fields: each well past what a legitimate request uses, each one past it a 400
+# naming the field (docs/server.md, "Limits and protection", has this table for users).
+MAX_N = 128  # samples per prompt (vLLM's bound)
+MAX_PROMPTS = 256  # prompts in one completions request (a list prompt)
+MAX_SAMPLES = 1024  # prompts x n: the sequences one request may start
+MAX_STOP_STRINGS = 64  # matched against the text after every token
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 2048  # entries of logit_bias
+MAX_TOOLS = 128  # OpenAI's own limit
+MAX_MESSAGES = 4096
+MAX_GRAMMAR_CHARS = 128 * 1024  # a JSON schema (as JSON), regex, grammar, or all the choices together
+MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k fit an int32
 
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
@@ -72,18 +85,18 @@ class _SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = Field(None, ge=-1)  # -1 and 0 disable it
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID)  # -1 and 0 disable it
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / older guided_* fields
@@ -94,9 +107,25 @@ class _SamplingBody(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def check_common(self) -> None:
+    def check_common(self, max_model_len: int) -> None:
+        """Rules of one field that pydantic does not state: sizes, token lengths, logit_bias entries."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        _at_most("stop", len(stops), MAX_STOP_STRINGS, "strings")
+        for s in stops:
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise bad_request(f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters, got one "
+                                  f"of {len(s)}", param="stop")
+        _at_most("stop_token_ids", len(self.stop_token_ids or ()), MAX_STOP_TOKEN_IDS, "token ids")
+        _at_most("logit_bias", len(self.logit_bias or ()), MAX_LOGIT_BIAS, "entries")
+        self._check_grammar_size()
+        for name in ("max_tokens", "max_completion_tokens", "min_tokens"):  # a prompt needs >= 1 token of it
+            value = getattr(self, name, None)
+            if value is not None and value >= max_model_len:
+                raise APIError(400, f"{name} must be less than this model's maximum context length "
+                                    f"({max_model_len} tokens), got {value}", param=name,
+                               code="context_length_exceeded")
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit():
+            if not key.isdigit() or len(key) > 10:
                 raise bad_request(f"logit_bias keys must be token ids (digit strings), got {key!r}",
                                   param="logit_bias")
             if not -100 <= bias <= 100:
@@ -104,6 +133,18 @@ class _SamplingBody(_Body):
                                   param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+    def _check_grammar_size(self) -> None:
+        """A structured-output constraint larger than MAX_GRAMMAR_CHARS is refused before it is compiled."""
+        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            size = len(value) if isinstance(value, str) else len(json.dumps(value))
+            if size > MAX_GRAMMAR_CHARS:
+                raise bad_request(f"{name} must be at most {MAX_GRAMMAR_CHARS} characters (as JSON), got {size}",
+                                  param=name)
 
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
@@ -155,6 +196,11 @@ class _SamplingBody(_Body):
             raise _param_error(e) from None
 
 
+def _at_most(name: str, count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise bad_request(f"{name} may hold at most {limit} {what}, got {count}", param=name)
+
+
 def _response_format_spec(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
     """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
     if not response_format:
@@ -188,8 +234,13 @@ class CompletionRequest(_SamplingBody):
     suffix: str | None = None
     best_of: int | None = None
 
-    def check(self) -> None:
-        self.check_common()
+    def check(self, max_model_len: int) -> None:
+        self.check_common(max_model_len)
+        num_prompts = len(self.prompts())
+        _at_most("prompt", num_prompts, MAX_PROMPTS, "prompts")
+        if num_prompts * self.n > MAX_SAMPLES:
+            raise bad_request(f"prompts x n may be at most {MAX_SAMPLES} sequences, got {num_prompts} x {self.n}",
+                              param="n")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -262,8 +313,10 @@ class ChatCompletionRequest(_SamplingBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def check(self) -> None:
-        self.check_common()
+    def check(self, max_model_len: int) -> None:
+        self.check_common(max_model_len)
+        _at_most("messages", len(self.messages), MAX_MESSAGES, "messages")
+        _at_most("tools", len(self.tools or ()), MAX_TOOLS, "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
@@ -280,7 +333,7 @@ class ChatCompletionRequest(_SamplingBody):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -7,9 +7,12 @@ choices of SSE chunks, which `sse_response` frames and ends with usage, an error
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable
@@ -25,16 +28,25 @@ from ecoserve.server.errors import APIError, bad_request
 from ecoserve.server.tool_parsers import ToolParser
 
 
+TOKENIZER_THREADS = 2  # the pool that tokenizes, templates and detokenizes whole texts off the event loop
+CHARS_PER_TOKEN_SLACK = 2  # a text longer than max_model_len x (longest token x this) cannot fit the context
+_FALLBACK_TOKEN_CHARS = 64  # for a tokenizer that cannot list its vocabulary
+
+
 @dataclass(frozen=True)
 class Prompt:
     text: str | None  # None for a prompt given as token ids
     token_ids: list[int]
+    truncated: bool = False  # tokenized only up to max_model_len + 1 tokens: it has at least that many
+    echo_text: str | None = None  # a token-id prompt decoded (off the loop) for echo
 
 
-def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
+def check_context(prompt: Prompt, max_tokens: int | None, max_model_len: int, param: str) -> None:
+    prompt_len = len(prompt.token_ids)
     if prompt_len > max_model_len:
+        count = f"more than {max_model_len}" if prompt.truncated else str(prompt_len)
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-                            f"{prompt_len} tokens", param=param, code="context_length_exceeded")
+                            f"{count} tokens", param=param, code="context_length_exceeded")
     if max_tokens is not None and prompt_len + max_tokens > max_model_len:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
                             f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, {max_tokens} "
@@ -46,15 +58,19 @@ def engine_error(e: BaseException) -> APIError:
     """The HTTP error for an exception from the engine side."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, ValueError):
-        return bad_request(str(e))
+    if isinstance(e, ValueError):  # the engine's checks start with the field they refuse
+        field_name = str(e).split(" ", 1)[0]
+        return bad_request(str(e), param=field_name if field_name in _PARAM_FIELDS else None)
     if isinstance(e, EngineOverloadedError):
-        return APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)})
+        return APIError(503, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, EngineShutdownError):
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead")
     return APIError(500, f"internal server error: {type(e).__name__}: {e}")
+
+
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass
@@ -278,12 +294,35 @@ class ServerState:
     use_generation_config: bool = True  # unset sampling fields take the model's generation_config.json
     token_text: TokenText = field(init=False)
 
+    pool: ThreadPoolExecutor = field(init=False)
+    max_prompt_chars: int = field(init=False)  # longer texts are refused before they are tokenized
+
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.tokenizer)
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ecoserve-tokenizer")
+        self.max_prompt_chars = self.max_model_len * CHARS_PER_TOKEN_SLACK * longest_token_chars(self.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.model.tokenizer
+
+    async def off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on the tokenizer pool, so a long text never blocks the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text too long to fit the context in any tokenization."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                                f"prompt has {num_chars} characters: more than any {self.max_model_len} tokens "
+                                f"spell", param=param, code="context_length_exceeded")
+
+    def encode_prompt(self, text: str, param: str, add_special_tokens: bool = True) -> Prompt:
+        """Tokenize a prompt up to max_model_len + 1 tokens (more cannot be served); call it off the loop."""
+        self.check_prompt_chars(len(text), param)
+        limit = self.max_model_len + 1
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True, max_length=limit)
+        return Prompt(text, ids, truncated=len(ids) >= limit)
 
     @property
     def max_model_len(self) -> int:
@@ -308,3 +347,14 @@ class ServerState:
         if name not in (None, "", self.model_name):
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` spells (its vocabulary's longest entry)."""
+    if tokenizer is None:
+        return _FALLBACK_TOKEN_CHARS
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return _FALLBACK_TOKEN_CHARS
+    return max((len(t) for t in vocab), default=_FALLBACK_TOKEN_CHARS)

@@ -74,7 +74,7 @@ def run_until(engine: LLMEngine, done, outputs: dict | None = None, failed: list
             if outputs is not None:
                 outputs.setdefault(out.request_id, []).append(out)
         if failed is not None:
-            failed.extend(engine.take_failed())
+            failed.extend(engine.take_failed().items())
         if engine.last_step_empty:
             time.sleep(0.005)
 
@@ -99,7 +99,7 @@ def test_a_waiting_request_takes_no_seat_and_others_run(engine, gate):
     g.open()
     run_until(engine, lambda: "g" not in engine._parents, outputs)
     assert re.fullmatch(regex, text_of(outputs["g"])) and outputs["g"][-1].outputs[0].finish_reason == "stop"
-    assert engine.take_failed() == [] and not sched.waiting_for_grammar
+    assert engine.take_failed() == {} and not sched.waiting_for_grammar
 
 
 def test_a_grammar_past_its_deadline_fails_alone(engine, gate, monkeypatch):
@@ -154,7 +154,7 @@ def test_abort_while_waiting_leaves_nothing(engine, gate):
     engine.add_request("w", [5, 6], regex_params(regex))
     assert engine.abort_request("w") == ["w"]
     assert not engine.scheduler.waiting_for_grammar and not engine.has_unfinished_requests()
-    assert engine.grammar_wait_s() is None and engine.take_failed() == []
+    assert engine.grammar_wait_s() is None and engine.take_failed() == {}
 
 
 @pytest.mark.parametrize("compiled_first", [False, True])

@@ -82,7 +82,8 @@ def serve(engine) -> RunningCluster:
     from ecoserve.live.routes import cluster_router
     from ecoserve.server.app import create_app
 
-    url, server, thread = serve_in_thread(create_app(engine, "tiny", routers=[cluster_router(engine)]))
+    url, server, thread = serve_in_thread(create_app(engine, "tiny", routers=[cluster_router(engine)],
+                                                     enable_admin_api=True))
     deadline = time.monotonic() + 240
     while True:
         assert time.monotonic() < deadline and thread.is_alive(), "the cluster did not become healthy"

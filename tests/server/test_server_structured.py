@@ -39,7 +39,7 @@ PARAMS = {"get_weather": WEATHER, "get_time": TIME}
 @pytest.fixture(scope="module")
 def server(tiny_model):
     running = start_server(tiny_model, app_kwargs=dict(api_key=KEY, metrics_prefix="vllm",
-                                                       tool_call_parser="hermes"))
+                                                       tool_call_parser="hermes", metrics_public=True))
     yield running
     running.stop()
 
@@ -147,7 +147,8 @@ def test_logit_bias_through_the_server(server, client):
     r = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0,
                                   logit_bias={"77": 100}, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
-    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": [77] * 4})
+    detok = httpx.post(f"{server.url}/detokenize", json={"tokens": [77] * 4},
+                       headers={"Authorization": f"Bearer {KEY}"})
     assert r.choices[0].text == detok.json()["prompt"]
 
 
@@ -159,7 +160,8 @@ def test_api_key(server, client):
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"})
     assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200  # --metrics-public
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [77]}).status_code == 401
     assert client.models.list().data[0].id == "tiny"  # still serving
 
 
