@@ -54,6 +54,8 @@ class RealEngine:
         """Queue a request (ValueError for bad input or a duplicate id; nothing changes then)."""
         self.engine.add_request(msg.request_id, {"prompt": msg.prompt, "prompt_token_ids": msg.prompt_token_ids},
                                 msg.params)
+        if msg.num_output_tokens:  # output produced elsewhere: the text goes on from what the client has
+            self.engine.resume_output(msg.request_id, msg.num_output_tokens, msg.num_output_chars)
         if msg.pin_kv:
             self.scheduler.kv.pin(msg.request_id)
         try:
