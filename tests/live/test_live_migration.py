@@ -204,3 +204,52 @@ def test_past_max_migrations_the_stream_ends_with_an_error_event(cluster, prompt
     while fe.requests and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not fe.requests  # nothing left behind
+
+
+# ---- FuDG: the KV of a stream on a lost decode instance is gone: re-prefill prompt + output, then transfer ----
+@pytest.fixture(scope="module")
+def fudg(tiny_model):
+    from ecoserve.live.serve import LiveCluster, build_cluster
+
+    spec = LiveCluster("distserve", 3, controller={"pd": (1, 2)}, instance_args=tuple(engine_args(tiny_model)))
+    options = FrontendOptions(request_timeout_s=DEADLINE_S)
+    running = serve(build_cluster(model_facts(tiny_model), spec, spec.options(2.0, 0.5, 512), options))
+    yield running
+    running.stop()
+
+
+def single_engine(model: str, ids: list[int], params: SamplingParams):
+    """The reference: one in-process engine."""
+    from ecoserve.engine.llm import LLM
+    from tests.live.conftest import MAX_MODEL_LEN
+
+    llm = LLM(model, num_threads=1, max_model_len=MAX_MODEL_LEN, num_gpu_blocks=128, max_num_seqs=16,
+              max_num_batched_tokens=512)
+    return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, seed=77, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_fudg_equals_one_engine(fudg, tiny_model, prompt_ids, params):
+    """The decode leg continues the prefill's draws: FuDG equals one engine, for seeded sampling too."""
+    got = run_stream(fudg, f"fudg-{params.temperature}", prompt_ids, params)
+    reference = single_engine(tiny_model, prompt_ids, params)
+    assert got.error is None
+    assert got.ids == list(reference.token_ids) and got.text == reference.text
+
+
+def test_fudg_stream_survives_its_decode_instance(fudg, prompt_ids):
+    """A seeded stream whose decode instance is killed is prefilled again (prompt + output: its KV is gone),
+    its KV moves to the other decode instance, and it goes on exactly."""
+    fe = fudg.engine
+    fault_free = run_stream(fudg, "fudg-fault-free", prompt_ids, SEEDED)
+    before = dict(fe.counters)
+    got = run_stream(fudg, "fudg-killed", prompt_ids, SEEDED, kill_at=(KILL_AT,))
+    assert got.killed_on and got.killed_on[0] != 0  # it was decoding (instance 0 prefills) when killed
+    assert_same_stream(got, fault_free)
+    assert fe.counters["migrations"] == before["migrations"] + 1
+    assert fe.counters["kv_bytes_moved"] > before["kv_bytes_moved"]  # a second prefill's KV moved
+    assert live_instances(fudg) == [0, 3 - got.killed_on[0]]
