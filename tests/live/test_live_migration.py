@@ -26,6 +26,17 @@ MAX_TOKENS = 150
 KILL_AT = 6  # tokens the client has when the serving instance is killed
 
 
+def test_the_flag_sets_the_frontend_option(tiny_model):
+    from ecoserve.cli import build_parser
+    from ecoserve.live.serve import make_cluster_engine
+
+    def option(*flags: str) -> int:
+        args = build_parser().parse_args(["serve", "--strategy", "vllm", "--model", tiny_model, *flags])
+        return make_cluster_engine(args).opts.max_migrations
+
+    assert option() == 2 and option("--max-migrations", "0") == 0 and option("--max-migrations", "5") == 5
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model):
     from ecoserve.live.serve import LiveCluster, build_cluster
@@ -200,6 +211,8 @@ def test_past_max_migrations_the_stream_ends_with_an_error_event(cluster, prompt
     assert len(text) > 0 and fault_free.text.startswith(text)
     assert fe.counters["migrations"] == before["migrations"] + 1
     assert fe.counters["migration_failures"] == before["migration_failures"] + 1
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert "cluster_migrations_total" in metrics and "cluster_migration_failures_total" in metrics
     deadline = time.monotonic() + 10
     while fe.requests and time.monotonic() < deadline:
         time.sleep(0.05)
