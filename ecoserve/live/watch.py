@@ -10,6 +10,7 @@ from ecoserve.live import messages as m
 from ecoserve.live.board import InstanceHandle
 from ecoserve.live.errors import InstanceLostError, RequestTimeoutError
 from ecoserve.live.launchers import Launcher
+from ecoserve.live.requests import LiveRequest
 from ecoserve.live.shared import Frontend, FrontendOptions
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class HealthWatch:
                 self.lose(h, f"did not join within {self.opts.ready_timeout_s:.0f} s")
         self.fe.check_ready()
 
-    def _release_elsewhere(self, req) -> None:
+    def _release_elsewhere(self, req: LiveRequest) -> None:
         """A migrating request starts afresh: KV still held for it on a live instance (FuDG) is freed."""
         for other in self.fe.board.instances.values():
             if req.request_id in other.requests:
