@@ -128,6 +128,8 @@ class FuDGController(ControllerBase):
         return {**super().summary(), "kv_path": self.kv_path, "kv_transferred_bytes": self.transferred_bytes}
 
     def on_arrival(self, req: RequestArrived) -> list[Action]:
+        if req.request_id in self.staged:  # a migrated request starts over: the KV it staged is gone
+            self.staged.remove(req.request_id)
         return [Dispatch(req.request_id, self.router.route_prefill(self.status_of), 1)]
 
     def on_prefill_done(self, e: PrefillDone) -> list[Action]:

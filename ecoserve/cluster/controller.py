@@ -5,6 +5,7 @@ Subclasses (NoDG, FuDG, PaDG) say where requests go. A controller reads time onl
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ecoserve.clock import Clock
@@ -104,22 +105,31 @@ class ControllerBase:
         return []
 
     def _lost(self, e: InstanceLost) -> list[Action]:
-        """Re-route the lost instance's requests that produced nothing yet; end the others with an error."""
+        """Re-route the lost instance's requests that produced nothing yet, and those the driver resumes
+        (as new arrivals of prompt + output so far); end the other started ones with an error."""
         iid = e.instance_id
         try:
             started = {q.request_id for q in self.status_of(iid).requests if q.first_token_time is not None}
         except KeyError:
             started = set()
+        resume = {r.request_id: r for r in e.resume}
         self.on_instance_lost(iid)
         acts: list[Action] = []
-        for rid in [r for r, i in self.where.items() if i == iid]:
+        # a resumed request may have been dispatched elsewhere (FuDG: its KV was leaving the lost instance)
+        for rid in [r for r, i in self.where.items() if i == iid or r in resume]:
             del self.where[rid]
+            arrived = self.requests.get(rid)
+            if arrived is not None and rid in resume:  # a migration: the driver counts and limits them
+                r = resume[rid]
+                arrived = self.requests[rid] = replace(arrived, prompt_len=r.prompt_len, max_tokens=r.max_tokens)
+                acts += self.on_arrival(arrived)
+                continue
             n = self._reroutes.get(rid, 0)
-            if rid in started or n >= self.max_reroutes or rid not in self.requests:
+            if rid in started or n >= self.max_reroutes or arrived is None:
                 self.requests.pop(rid, None)
                 acts.append(FinishRequest(rid, f"instance {iid} was lost" + ("" if rid in started else
                                                                                 f" ({n} re-routes)")))
                 continue
             self._reroutes[rid] = n + 1
-            acts += self.on_arrival(self.requests[rid])
+            acts += self.on_arrival(arrived)
         return acts

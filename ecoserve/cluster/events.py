@@ -84,10 +84,24 @@ class RequestAborted:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """A request that had produced output on a lost instance and moves on (a migrated stream): its
+    input is now the prompt plus that output, and `max_tokens` counts what is still to come."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class InstanceLost:
-    """Process exit, missed heartbeat deadline or socket disconnect."""
+    """Process exit, missed heartbeat deadline or socket disconnect.
+
+    `resume`: the started requests the driver moves on; any other started request of the instance ends.
+    """
 
     instance_id: int
+    resume: tuple[Resume, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,26 @@ class IncrementalDetokenizer:
         self._num_tokens = 0
         self.stop_reason: str | None = None  # the stop string that ended the text, if any
 
+    @classmethod
+    def resumed(cls, tokenizer: Any, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                params: SamplingParams, num_chars_released: int) -> "IncrementalDetokenizer":
+        """The detokenizer of a sequence continued elsewhere, in the state its first one had after
+        `output_token_ids`, of whose text `num_chars_released` characters were released.
+
+        The ids are replayed (without stop checks: they ran where the ids were produced), so the next
+        token decodes with the same left context, an unfinished multi-byte character completes as it
+        would have, and a held-back tail that may start a stop string is still held back. `params`
+        count min_tokens from here on, as the continued request does.
+        """
+        det = cls(tokenizer, prompt_token_ids, params)
+        if not params.detokenize:
+            return det
+        for token_id in output_token_ids:
+            det._ids.append(token_id)
+            det._pending += det._decode_new(final=False)
+        det._pending = det._pending[num_chars_released:]
+        return det
+
     @property
     def finished(self) -> bool:
         return self.stop_reason is not None

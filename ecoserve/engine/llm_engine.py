@@ -275,6 +275,17 @@ class LLMEngine:
             if wake is not None:
                 grammar.add_done_callback(lambda _: wake())
 
+    def resume_output(self, request_id: str, num_output_tokens: int, num_output_chars: int) -> None:
+        """The last `num_output_tokens` prompt ids of a queued request are output produced elsewhere, whose
+        first `num_output_chars` characters the client has: its text continues after them (no gap, no repeat)."""
+        parent = self._parents[request_id]
+        if not 0 < num_output_tokens < len(parent.prompt_token_ids) or self.tokenizer is None:
+            return
+        prompt, produced = parent.prompt_token_ids[:-num_output_tokens], parent.prompt_token_ids[-num_output_tokens:]
+        for c in parent.children:
+            c.detokenizer = IncrementalDetokenizer.resumed(self.tokenizer, prompt, produced,
+                                                           c.request.sampling_params, num_output_chars)
+
     def abort_request(self, request_ids: str | list[str]) -> list[str]:
         """Abort unfinished requests and free their KV; returns the ids that were still unfinished."""
         aborted = []

@@ -4,6 +4,11 @@ Order of processing, per row: raw logprobs are taken first (vLLM's default, befo
 changes the logits), then min_tokens masking, logit_bias, penalties, temperature, top-k, top-p, min-p,
 and finally greedy argmax or an exponential race (argmax of probs / Exp(1) noise), which lets
 seeded rows draw their noise from their own generator.
+
+A seeded row's noise is a function of (seed, position) only: its generator is re-seeded from both
+before each draw, where the position is that of the token being sampled in the whole sequence
+(prompt + output). A request continued elsewhere as prompt + output so far (a migrated stream,
+FuDG's decode leg) therefore draws exactly what it would have drawn where it started.
 """
 from __future__ import annotations
 
@@ -30,6 +35,11 @@ class SamplingRow:
     # Seeded requests own a generator that the caller keeps across steps; None: global RNG.
     generator: torch.Generator | None = None
 
+    @property
+    def position(self) -> int:
+        """Where the token being sampled sits in the sequence: what a seeded draw is keyed by."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
     @classmethod
     def from_request(cls, request: Request, generator: torch.Generator | None = None) -> "SamplingRow":
         return cls(request.sampling_params, request.prompt_token_ids, request.output_token_ids,
@@ -54,10 +64,25 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None] | None = None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded row's draw at `position`: distinct per (seed, position), in [0, 2**64)."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64)
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for one seeded request; keep it for the request's whole life."""
+    """A generator for one seeded request (re-seeded from the seed and position before each draw)."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    gen.manual_seed(draw_seed(seed, 0))
     return gen
 
 
@@ -109,9 +134,10 @@ class Sampler:
             noise.uniform_()
         else:
             for j, i in enumerate(idx):
-                gen = rows[i].generator
-                if gen is not None:
-                    noise[j].uniform_(generator=gen)
+                row = rows[i]
+                if row.generator is not None:
+                    row.generator.manual_seed(draw_seed(row.params.seed or 0, row.position))
+                    noise[j].uniform_(generator=row.generator)
             if unseeded:
                 noise[unseeded] = torch.rand((len(unseeded), probs.shape[1]), device=device)
         # U = 0 gives infinite noise, so a score of 0: that token just loses this draw.

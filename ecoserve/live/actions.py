@@ -3,7 +3,8 @@ finish, timers (the other direction from `receive.py`).
 
 A dispatch becomes an `AddRequest` on the instance's connection; a decode dispatch whose KV is still
 on the prefill side first asks that instance to export it to the destination's KV receiver; every
-transfer has a deadline.
+transfer has a deadline. A request with output so far (FuDG's decode leg, a migrated stream) goes as
+prompt + that output, with what is left of its budget, and the text the client has.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class Dispatcher:
         self.max_model_len = max_model_len
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self.transfer_ids = itertools.count(1)
-        self.reroutes = 0  # requests dispatched again after their instance was lost
+        self.reroutes = 0  # requests dispatched again after their instance was lost, before their first token
+        self.migrations = 0  # started requests dispatched again (as prompt + output) after their instance was lost
         self.kv_bytes_moved = 0
         self._handlers: dict[type, Callable[[Any], None]] = {
             ev.Dispatch: self.dispatch, ev.TransferKV: self.transfer, ev.OpenWindow: self.window,
@@ -55,13 +57,16 @@ class Dispatcher:
         if h is None or h.state in ("lost", "starting") or h.identity is None:
             fe.fail(req, InstanceLostError(f"the controller sent the request to unusable instance {a.instance_id}"))
             return
-        if req.streamed and not a.imported_tokens:
+        if req.streamed and not a.imported_tokens and req.lost_from is None:
             fe.fail(req, InstanceLostError("the request had streamed tokens and cannot move to another instance"))
             return
         if req.lost_from is not None:
             req.lost_from = None
-            req.reroutes += 1
-            self.reroutes += 1
+            if req.streamed:
+                self.migrations += 1
+            else:
+                req.reroutes += 1
+                self.reroutes += 1
         if req.first_scheduled is None:
             req.first_scheduled = time.monotonic()
         if a.imported_tokens and req.kv_dst != a.instance_id:  # the KV is still on the prefill side: fetch it
@@ -80,17 +85,16 @@ class Dispatcher:
         if req.continues and req.params.n > 1:
             self.fe.fail(req, ValueError("n > 1 is not supported by disaggregated (FuDG) strategies"))
             return
-        ids, produced = req.prompt_token_ids, []
+        ids, produced = req.prompt_token_ids, req.output_token_ids()
         params = req.params.clone(max_tokens=limit)
-        if a.imported_tokens:  # the decode leg: the prompt and the tokens produced so far, their KV imported
-            produced = req.output_token_ids()
+        if produced:  # the decode leg (KV imported) or a migration: the prompt and the tokens produced so far
             ids = ids + produced
             params = params.clone(min_tokens=max(req.params.min_tokens - req.num_output_tokens, 0),
                                   prompt_logprobs=None)
         req.instance = h.instance_id
         seq = self.fe.board.dispatched(h, req.request_id, len(ids), time.monotonic())
         self.fe.send(h, m.AddRequest(seq, req.request_id, ids, params, req.prompt, req.continues, a.imported_tokens,
-                                     len(produced)))
+                                     len(produced), num_output_chars=req.num_output_chars() if produced else 0))
 
     def finish(self, a: ev.FinishRequest) -> None:
         req = self.fe.requests.get(a.request_id)

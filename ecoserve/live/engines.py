@@ -56,6 +56,8 @@ class RealEngine:
         carried = msg.prompt_token_ids[-msg.num_output_tokens:] if msg.num_output_tokens else ()
         self.engine.add_request(msg.request_id, {"prompt": msg.prompt, "prompt_token_ids": msg.prompt_token_ids},
                                 msg.params, grammar_accepted=carried)
+        if msg.num_output_tokens:  # output produced elsewhere: the text goes on from what the client has
+            self.engine.resume_output(msg.request_id, msg.num_output_tokens, msg.num_output_chars)
         if msg.pin_kv:
             self.scheduler.kv.pin(msg.request_id)
         try:

@@ -48,6 +48,7 @@ class ClusterEngine:
                  launcher: Launcher | None = None, options: FrontendOptions = FrontendOptions(),
                  observer: StepObserver | None = None, identity: str | None = None) -> None:
         self.model = model
+        self.max_model_len = model.max_model_len
         self.observer = observer
         self.dead_error: BaseException | None = None
         # Grammars are compiled here to refuse a bad one with a 400; the instances compile their own.
@@ -293,7 +294,8 @@ class ClusterEngine:
     @property
     def counters(self) -> dict[str, int]:
         return {"reroutes": self.dispatcher.reroutes, "instance_deaths": self.health.deaths,
-                "kv_bytes_moved": self.dispatcher.kv_bytes_moved, "refused_instances": self.receiver.refused}
+                "kv_bytes_moved": self.dispatcher.kv_bytes_moved, "refused_instances": self.receiver.refused,
+                "migrations": self.dispatcher.migrations, "migration_failures": self.health.migration_failures}
 
     def views(self) -> list[InstanceView]:
         """Every instance: the driver's own knowledge, placed in the controller's topology once there is one."""

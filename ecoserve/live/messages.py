@@ -36,7 +36,8 @@ class AddRequest(Msg):
 
     `imported_tokens` > 0: the KV of the first tokens was imported (`ImportedKV`) and is not recomputed.
     `num_output_tokens` > 0: the last ids of `prompt_token_ids` are output another instance produced
-    (FuDG's decode leg); a structured-output grammar is advanced over them before sampling.
+    (FuDG's decode leg, a migrated stream); a structured-output grammar is advanced over them before
+    sampling, and the text continues after the first `num_output_chars` characters the client has.
     """
 
     dispatch_seq: int
@@ -47,6 +48,7 @@ class AddRequest(Msg):
     pin_kv: bool = False
     imported_tokens: int = 0
     num_output_tokens: int = 0
+    num_output_chars: int = 0
 
 
 class Abort(Msg):

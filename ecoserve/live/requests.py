@@ -1,7 +1,9 @@
 """A request as the frontend tracks it: its client stream, where it runs, and its output so far.
 
 Deltas from instances are folded into per-sample histories here and handed to the client as
-`RequestOutput`s, so the OpenAI handlers read the same objects as from a single engine.
+`RequestOutput`s, so the OpenAI handlers read the same objects as from a single engine. A started
+request whose instance is lost can move on (a migration): its input is then the prompt plus its
+output so far, and its stream continues where the client's left off.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ class LiveRequest:
     kv_dst: int | None = None  # the instance its KV was imported into
     pending: object | None = None  # a decode Dispatch waiting for its KV to arrive
     reroutes: int = 0
-    lost_from: int | None = None  # its instance was lost before it streamed anything (a re-route is due)
+    lost_from: int | None = None  # its instance was lost: a re-route (or, once started, a migration) is due
+    migrations: int = 0  # times its stream moved on after its instance was lost
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
@@ -66,10 +69,38 @@ class LiveRequest:
         s = self.samples[0]
         return s.history.token_ids + s.new_token_ids
 
+    def num_output_chars(self) -> int:
+        """Characters of text the client has been given (or that wait in the output hold)."""
+        s = self.samples[0]
+        return s.history.num_chars + len(s.new_text)
+
     @property
     def streamed(self) -> bool:
-        """Has the client seen any token? (Then it can no longer move to another instance.)"""
+        """Has the client seen any token? (Then it moves on only as a migration.)"""
         return self.first_token is not None
+
+    def migration_refusal(self, max_migrations: int, max_model_len: int) -> str | None:
+        """Why this started request cannot continue on another instance, or None when it can."""
+        p = self.params
+        if p.n > 1:
+            return "a request with n > 1 does not migrate (its samples have different outputs so far)"
+        if p.frequency_penalty or p.presence_penalty:
+            return ("a request with frequency or presence penalties does not migrate (they count output tokens, "
+                    "which the continued request holds in its prompt)")
+        if self.migrations >= max_migrations:
+            return f"it has moved {self.migrations} time(s) already (at most {max_migrations}: --max-migrations)"
+        if self.remaining_tokens(max_model_len) <= 0:
+            return "it has no token budget left"
+        return None
+
+    def begin_migration(self, lost_from: int) -> None:
+        """Its instance was lost: forget where it ran and what moved; its logprob sum so far is the base."""
+        self.migrations += 1
+        self.lost_from = lost_from
+        self.transfer = self.pending = self.kv_src = self.kv_dst = None
+        self.continues = False
+        s = self.samples[0]
+        s.base_logprob = s.cumulative_logprob or 0.0
 
     def remaining_tokens(self, max_model_len: int) -> int:
         room = max_model_len - len(self.prompt_token_ids) - self.num_output_tokens

@@ -60,7 +60,10 @@ class ClusterCollector:
         for key, doc in (("reroutes", "Requests re-routed after their instance was lost."),
                          ("instance_deaths", "Instances declared lost."),
                          ("kv_bytes_moved", "KV bytes transferred between instances."),
-                         ("refused_instances", "Instances refused at connect (version or model mismatch).")):
+                         ("refused_instances", "Instances refused at connect (version or model mismatch)."),
+                         ("migrations", "Started streams moved to another instance after theirs was lost."),
+                         ("migration_failures", "Started streams that could not move on and ended with an "
+                                                "error.")):
             c = CounterMetricFamily(self.prefix + "cluster_" + key, doc, labels=["model_name"])
             c.add_metric([self.model_name], counters[key])
             yield c

@@ -112,6 +112,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="the frontend's instance port (0: any free port; use a routable host for other nodes)")
     g.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence before an instance is lost")
     g.add_argument("--request-timeout", type=float, default=600.0, help="every request ends by then (seconds)")
+    g.add_argument("--max-migrations", type=int, default=2, metavar="K",
+                   help="a started stream whose instance is lost continues on another one at most K times, then "
+                        "ends with an error (0: it ends at once)")
     g.add_argument("--mock-profile", default=None, metavar="FILE",
                    help="instances run no model: they sleep this tokens,ms profile's step time")
     g.add_argument("--instance-log-dir", default=None)
@@ -158,5 +161,6 @@ def make_cluster_engine(args: argparse.Namespace) -> ClusterEngine:
     loaded = load_model_info(args.model)
     model = ModelFacts.of(loaded, args.max_model_len or loaded.max_model_len)
     fe_opts = FrontendOptions(bind=args.instance_bind, heartbeat_timeout_s=args.heartbeat_timeout,
-                              request_timeout_s=args.request_timeout, max_waiting=args.max_waiting)
+                              request_timeout_s=args.request_timeout, max_waiting=args.max_waiting,
+                              max_migrations=args.max_migrations)
     return build_cluster(model, spec, options, fe_opts, args.num_threads or 1, identity=args.served_model_name)

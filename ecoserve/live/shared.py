@@ -23,11 +23,13 @@ class FrontendOptions:
     kv_transfer_timeout_s: float = 10.0
     ready_timeout_s: float = 300.0  # launched instances that have not joined by then are lost
     max_waiting: int | None = None
+    max_migrations: int = 2  # a stream whose instance is lost moves on at most this often (0: it fails)
 
 
 class Frontend(Protocol):
     board: InstanceBoard
     requests: dict[str, LiveRequest]
+    max_model_len: int  # the model's: a request's prompt, output and budget fit in it
 
     def send(self, h: InstanceHandle, msg: m.Msg) -> None:
         """To the instance's connection; a failed send loses the instance."""

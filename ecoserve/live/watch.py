@@ -10,6 +10,7 @@ from ecoserve.live import messages as m
 from ecoserve.live.board import InstanceHandle
 from ecoserve.live.errors import InstanceLostError, RequestTimeoutError
 from ecoserve.live.launchers import Launcher
+from ecoserve.live.requests import LiveRequest
 from ecoserve.live.shared import Frontend, FrontendOptions
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class HealthWatch:
         self.launcher = launcher  # a process exit it reports is a loss
         self.ready_deadline = float("inf")  # launched instances must have joined by then
         self.deaths = 0  # instances declared lost
+        self.migration_failures = 0  # started requests of lost instances that could not move on
 
     def arm(self) -> None:
         """The instances were launched now: they must join within the ready timeout."""
@@ -67,21 +69,40 @@ class HealthWatch:
                 self.lose(h, f"did not join within {self.opts.ready_timeout_s:.0f} s")
         self.fe.check_ready()
 
+    def _release_elsewhere(self, req: LiveRequest) -> None:
+        """A migrating request starts afresh: KV still held for it on a live instance (FuDG) is freed."""
+        for other in self.fe.board.instances.values():
+            if req.request_id in other.requests:
+                other.requests.discard(req.request_id)
+                if other.state != "lost":
+                    self.fe.send(other, m.Abort([req.request_id]))
+
     def lose(self, h: InstanceHandle, reason: str) -> None:
-        """Declare an instance lost: its streaming requests end with an error; the controller re-routes the rest."""
+        """Declare an instance lost: the controller re-routes its requests, the started ones as prompt + output
+        so far (a migration), unless they cannot move on: those end with an error naming why."""
         logger.error("instance %d lost: %s", h.instance_id, reason)
         h.state, h.lost_reason = "lost", reason
         self.deaths += 1
         if self.launcher is not None:
             self.launcher.kill(h.instance_id)
+        resume: list[ev.Resume] = []
         for rid in list(h.requests):
             h.requests.discard(rid)
             req = self.fe.requests.get(rid)
             if req is None:
                 continue
-            if req.streamed or req.transfer is not None:
-                self.fe.fail(req, InstanceLostError(f"the instance serving this request was lost ({reason})"))
-            else:
+            if not req.streamed and req.transfer is None:
                 req.lost_from = h.instance_id  # the controller's re-route will count
+                continue
+            refusal = req.migration_refusal(self.opts.max_migrations, self.fe.max_model_len)
+            if refusal is not None:
+                self.migration_failures += 1
+                self.fe.fail(req, InstanceLostError(f"the instance serving this request was lost ({reason}) and "
+                                                    f"the stream cannot move on: {refusal}"))
+                continue
+            self._release_elsewhere(req)
+            req.begin_migration(h.instance_id)
+            resume.append(ev.Resume(rid, len(req.prompt_token_ids) + req.num_output_tokens,
+                                    req.remaining_tokens(self.fe.max_model_len)))
         if h.ready is not None:
-            self.fe.post(ev.InstanceLost(h.instance_id))
+            self.fe.post(ev.InstanceLost(h.instance_id, tuple(resume)))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ecoserve.engine.sampler import (Sampler, SamplerOutput, SamplingRow, apply_min_tokens, apply_penalties,
-                                     make_generator, prompt_logprobs)
+                                     draw_seed, make_generator, prompt_logprobs)
 from ecoserve.request import Request
 from ecoserve.sampling import SamplingParams
 
@@ -102,15 +102,18 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     def run(neighbours: int, position: int) -> list[int]:
         gen = make_generator(params.seed)
         other_gen = make_generator(99)
-        tokens = []
+        tokens, others = [], []
         for step in range(steps):
             torch.manual_seed(step * 7 + neighbours)  # global RNG differs between runs
             rows = [SamplingRow(SamplingParams(temperature=1.0)) for _ in range(neighbours)]
-            rows.append(SamplingRow(SamplingParams(temperature=0.8, seed=99), generator=other_gen))
-            rows.insert(position, SamplingRow(params, generator=gen))
+            rows.append(SamplingRow(SamplingParams(temperature=0.8, seed=99), [1] * neighbours, others,
+                                    generator=other_gen))
+            rows.insert(position, SamplingRow(params, [1, 2, 3], tokens, generator=gen))
             logits = torch.randn(len(rows), vocab)
             logits[position] = step_logits[step]
-            tokens.append(Sampler()(logits, rows).token_ids[position])
+            out = Sampler()(logits, rows).token_ids
+            tokens.append(out[position])
+            others.append(out[-1])
         return tokens
 
     alone = run(0, 0)
@@ -243,3 +246,85 @@ def test_prompt_logprobs():
     assert [list(e) for e in prompt_logprobs(logits, torch.tensor(nxt), 0)] == [[t] for t in nxt]
     with pytest.raises(ValueError):
         prompt_logprobs(logits, nxt[:3], 1)
+
+
+def test_a_seeded_draw_depends_on_seed_and_position_only():
+    """The same (seed, position) draws the same token whatever the generator's history; others differ."""
+    logits = torch.zeros(1, 1000)
+
+    def draw(seed: int, prompt_len: int, num_out: int, gen: torch.Generator) -> int:
+        row = SamplingRow(SamplingParams(seed=seed), [0] * prompt_len, [0] * num_out, generator=gen)
+        return Sampler()(logits, [row]).token_ids[0]
+
+    used = make_generator(5)
+    for _ in range(3):
+        draw(5, 3, 0, used)
+    assert draw(5, 3, 4, used) == draw(5, 3, 4, make_generator(5)) == draw(5, 7, 0, make_generator(5))
+    assert len({draw(5, 3, k, make_generator(5)) for k in range(8)}) > 4
+    assert len({draw_seed(s, k) for s in range(50) for k in range(50)}) == 2500
+    assert all(0 <= draw_seed(s, 0) < 2 ** 64 for s in (-(2 ** 63), -1, 0, 2 ** 63 - 1))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from ecoserve.config import EngineArgs
+    from ecoserve.engine.llm_engine import LLMEngine
+    from tests.utils import make_tiny_checkpoint
+
+    import tempfile
+    path = make_tiny_checkpoint(tempfile.mkdtemp(prefix="sampler_engine_") + "/m", "llama")
+    return LLMEngine(EngineArgs(str(path), num_threads=1, max_model_len=256,
+                                num_gpu_blocks=64).create_engine_config())
+
+
+def _steps(engine, request_id: str) -> list:
+    """Each step's delta output of one request, until the engine is idle."""
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == request_id]
+    return outs
+
+
+PROMPT_IDS = [11, 23, 35, 47, 59, 61, 73]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=4321, max_tokens=24, ignore_eos=True),
+                                    SamplingParams(temperature=0.7, top_p=0.9, seed=7, max_tokens=24,
+                                                   ignore_eos=True, logprobs=2),
+                                    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)],
+                         ids=["seeded", "seeded-top-p-logprobs", "greedy"])
+def test_a_continued_request_equals_the_uninterrupted_one(engine, params):
+    """Run k tokens, then go on as a new request of prompt + those k tokens (what a migration sends):
+    the tokens, text and logprobs that follow are the uninterrupted request's."""
+    engine.add_request("whole", PROMPT_IDS, params)
+    whole = _steps(engine, "whole")
+    ids = whole[-1].outputs[0].token_ids
+    text = whole[-1].outputs[0].text
+    assert len(ids) == 24 and (params.greedy or len(set(ids)) > 6)
+    for k in (1, 9, 23):
+        head = [o.outputs[0] for o in whole[:k]]
+        assert sum(len(c.new_token_ids) for c in head) == k
+        given = "".join(c.new_text for c in head)
+        rest = params.clone(max_tokens=24 - k)
+        engine.add_request("rest", PROMPT_IDS + ids[:k], rest)
+        engine.resume_output("rest", k, len(given))
+        tail = _steps(engine, "rest")[-1].outputs[0]
+        assert ids[:k] + tail.token_ids == ids, k
+        assert given + tail.text == text, k
+        if params.logprobs is not None:  # the target's, computed from a prefill: equal up to rounding
+            for got, want in zip(tail.logprobs, whole[-1].outputs[0].logprobs[k:], strict=True):
+                assert got.keys() == want.keys()
+                assert all(got[t] == pytest.approx(want[t], abs=1e-4) for t in got)
+
+
+def test_seeded_samples_of_one_request_are_distinct_and_reproducible(engine):
+    params = SamplingParams(temperature=1.0, seed=99, n=3, max_tokens=12, ignore_eos=True)
+    runs = []
+    for rid in ("n1", "n2"):
+        engine.add_request(rid, PROMPT_IDS, params)
+        runs.append([c.token_ids for c in _steps(engine, rid)[-1].outputs])
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) == 3
+    # sample i draws what a single request seeded with seed + i draws
+    engine.add_request("one", PROMPT_IDS, params.clone(n=1, seed=100))
+    assert _steps(engine, "one")[-1].outputs[0].token_ids == runs[0][1]

@@ -36,7 +36,7 @@ def profile(tmp_path_factory):
 def cluster(tiny_model, profile):
     running = start_cluster(tiny_model, lambda step_time, status_of: FakeNoDG([0, 1, 2, 3], status_of), 4,
                             lambda iid: mock_args(tiny_model, profile),
-                            options=FrontendOptions(request_timeout_s=DEADLINE_S))
+                            options=FrontendOptions(request_timeout_s=DEADLINE_S, max_migrations=0))
     yield running
     running.stop()
 
@@ -84,6 +84,7 @@ def _state(cluster, iid: int) -> str:
 
 
 def test_kill_mid_decode_ends_stream_with_error(cluster):
+    """With stream migration off (max_migrations=0; test_live_migration covers it on)."""
     call = Call(cluster.url, stream=True, max_tokens=150)
     rid, iid = _where(cluster, set())
     wait_until(lambda: len(call.chunks) >= 3, 20, "tokens to stream")
