@@ -60,7 +60,8 @@ class ClusterCollector:
         for key, doc in (("reroutes", "Requests re-routed after their instance was lost."),
                          ("instance_deaths", "Instances declared lost."),
                          ("kv_bytes_moved", "KV bytes transferred between instances."),
-                         ("refused_instances", "Instances refused at connect (version or model mismatch).")):
+                         ("refused_instances", "Instances refused at connect (version or model mismatch)."),
+                         ("restarts", "Lost instances restarted by the frontend.")):
             c = CounterMetricFamily(self.prefix + "cluster_" + key, doc, labels=["model_name"])
             c.add_metric([self.model_name], counters[key])
             yield c
