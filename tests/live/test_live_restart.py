@@ -1,0 +1,201 @@
+"""Lost instances replaced, with real processes: a killed instance restarts in its slot and rejoins routing; the
+restart limit leaves a slot lost and it leaves the board after the grace period; a blocked frontend loses nobody;
+a stream that never starts is aborted; a failed request leaves the metrics; a 1:1 distserve cluster that loses
+its prefill instance keeps serving and disaggregates again once the replacement is ready."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from ecoserve.live.errors import InstanceLostError
+from ecoserve.live.shared import FrontendOptions
+from ecoserve.sampling import SamplingParams
+from tests.live.conftest import (engine_args, mock_args, model_facts, serve, single_engine_greedy, start_cluster,
+                                 wait_until, write_profile)
+from tests.live.fakes import FakeNoDG
+
+PROFILE = [(1, 20.0), (4, 25.0), (8, 60.0), (512, 200.0)]
+PROMPT = "The quick brown fox jumps over the lazy dog."
+DEADLINE_S = 60.0
+MAX_RESTARTS = 2
+GRACE_S = 4.0
+JOIN_S = 120.0  # a restarted instance imports torch and loads its engine: generous on a loaded machine
+
+
+class RejoiningNoDG(FakeNoDG):
+    """The test NoDG controller, routing to an instance again once it rejoins."""
+
+    def handle(self, e):
+        if type(e).__name__ == "InstanceJoined" and e.instance_id not in self.router.instances:
+            self.events.append(e)
+            self.router.instances.append(e.instance_id)
+            return []
+        return super().handle(e)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    return write_profile(tmp_path_factory.mktemp("restart") / "profile.csv", PROFILE)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, profile):
+    options = FrontendOptions(request_timeout_s=DEADLINE_S, restart_backoff_s=0.5, max_restarts=MAX_RESTARTS,
+                              lost_grace_s=GRACE_S)
+    running = start_cluster(tiny_model, lambda step_time, status_of: RejoiningNoDG([0, 1], status_of), 2,
+                            lambda iid: mock_args(tiny_model, profile), options=options)
+    yield running
+    running.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=DEADLINE_S, max_retries=0)
+
+
+def entry(cluster, iid: int) -> dict | None:
+    return next((i for i in cluster.cluster() if i["id"] == iid), None)
+
+
+def complete(cluster, max_tokens: int = 4) -> None:
+    out = client(cluster.url).completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0)
+    assert out.usage.completion_tokens == max_tokens
+
+
+def on_loop(cluster, coro_fn):
+    fe = cluster.engine
+    return asyncio.run_coroutine_threadsafe(coro_fn(), fe._loop).result(DEADLINE_S)
+
+
+def test_killed_instance_restarts_in_its_slot_and_is_routed_again(cluster):
+    fe = cluster.engine
+    old_pid = entry(cluster, 0)["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: (entry(cluster, 0) or {}).get("restarts") == 1, 30, "the restart to start")
+    wait_until(lambda: entry(cluster, 0)["state"] == "ready", JOIN_S, "the restarted instance to join")
+    e = entry(cluster, 0)
+    assert e["pid"] != old_pid and e["lost_reason"] is None
+    assert fe.counters["restarts"] == 1 and fe.counters["instance_deaths"] == 1
+    body = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert any(line.startswith("ecoserve:cluster_restarts") and line.rstrip().endswith(" 1.0")
+               for line in body.splitlines()), body
+    joins = [ev for ev in fe.controller.events if type(ev).__name__ == "InstanceJoined" and ev.instance_id == 0]
+    assert joins, "the controller never heard that instance 0 is back"
+    sent = fe.controller.sent[0]
+    for _ in range(4):  # round robin over both again
+        complete(cluster)
+    assert fe.controller.sent[0] >= sent + 2
+
+
+def test_restart_limit_leaves_the_slot_lost_then_off_the_board(cluster):
+    fe = cluster.engine
+    for n in range(2, MAX_RESTARTS + 1):  # use up the restarts
+        os.kill(entry(cluster, 0)["pid"], signal.SIGKILL)
+        wait_until(lambda: (entry(cluster, 0) or {}).get("restarts") == n, 30, f"restart {n}")
+        wait_until(lambda: entry(cluster, 0)["state"] == "ready", JOIN_S, f"restart {n} to join")
+    os.kill(entry(cluster, 0)["pid"], signal.SIGKILL)
+    wait_until(lambda: entry(cluster, 0)["state"] == "lost", 20, "the loss past the limit")
+    t_lost = time.monotonic()
+    assert "not restarted" in entry(cluster, 0)["lost_reason"]
+    complete(cluster)  # the other instance serves
+    wait_until(lambda: entry(cluster, 0) is None, GRACE_S + 20, "the lost slot to leave the board")
+    assert time.monotonic() - t_lost >= GRACE_S - 1.0
+    assert fe.counters["restarts"] == MAX_RESTARTS
+    assert [i["id"] for i in cluster.cluster()] == [1]
+
+
+def test_a_blocked_frontend_loop_loses_no_instance(cluster):
+    """3.5 s without the loop (more than the 2-s heartbeat allowance): the instances were not silent, it was deaf."""
+    fe = cluster.engine
+    deaths = fe.counters["instance_deaths"]
+    stream = client(cluster.url).completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0,
+                                                    stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    fe._loop.call_soon_threadsafe(time.sleep, 3.5)
+    text = [c for c in chunks]
+    assert text and text[-1].choices[0].finish_reason == "length"
+    time.sleep(1.0)  # a watch tick or more after the block
+    assert fe.counters["instance_deaths"] == deaths
+    assert all(i["state"] == "ready" for i in cluster.cluster())
+    assert fe.health.time_given_back >= 3.0
+
+
+def test_a_stream_that_never_starts_is_aborted(cluster):
+    fe = cluster.engine
+
+    async def start_and_drop():
+        fe.generate("never-read", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=200, temperature=0))
+        gc.collect()
+
+    aborts = [e for e in fe.controller.events if type(e).__name__ == "RequestAborted"]
+    on_loop(cluster, start_and_drop)
+    wait_until(lambda: "never-read" not in fe.requests, 10, "the dropped stream's request to be aborted")
+    events = [e for e in fe.controller.events if type(e).__name__ == "RequestAborted"]
+    assert len(events) == len(aborts) + 1 and events[-1].request_id == "never-read"
+
+
+def test_a_request_that_fails_after_streaming_leaves_the_metrics(cluster):
+    fe = cluster.engine
+    metrics = fe.observer
+
+    async def stream_then_fail():
+        stream = fe.generate("fails", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=200, temperature=0))
+        got = [await stream.__anext__() for _ in range(3)]
+        assert "fails" in metrics._seen  # the observer tracks it while it streams
+        fe.fail(fe.requests["fails"], InstanceLostError("the instance went away"))
+        with pytest.raises(InstanceLostError):
+            while True:
+                await stream.__anext__()
+        return got
+
+    before = metrics.success.labels("tiny", "abort")._value.get()
+    on_loop(cluster, stream_then_fail)
+    assert "fails" not in metrics._seen
+    assert metrics.success.labels("tiny", "abort")._value.get() == before + 1
+
+
+# ---- FuDG: the survivor serves both roles -----------------------------------------------------------------------
+PROMPTS = ["The quick brown fox jumps over", "Paris is the capital of"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def distserve(tiny_model):
+    from ecoserve.live.serve import LiveCluster, build_cluster
+
+    spec = LiveCluster("distserve", 2, 0, {"pd": (1, 1)}, tuple(engine_args(tiny_model)))
+    running = serve(build_cluster(model_facts(tiny_model), spec, spec.options(2.0, 0.5, 512),
+                                  FrontendOptions(request_timeout_s=DEADLINE_S, restart_backoff_s=5.0)))
+    yield running
+    running.stop()
+
+
+def test_distserve_1to1_keeps_serving_without_its_prefill_instance(distserve, tiny_model):
+    reference = single_engine_greedy(tiny_model, PROMPTS, MAX_TOKENS)
+    fe = distserve.engine
+    c = client(distserve.url)
+
+    def ask(prompt):
+        return c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+
+    assert ask(PROMPTS[0]).choices[0].text == reference[0].text
+    moved = fe.counters["kv_bytes_moved"]
+    assert moved > 0
+    os.kill(entry(distserve, 0)["pid"], signal.SIGKILL)
+    wait_until(lambda: entry(distserve, 0)["state"] in ("lost", "starting"), 20, "the prefill instance's loss")
+    assert not fe.controller.disaggregated
+    for prompt, ref in zip(PROMPTS, reference):  # served whole on the decode instance, no KV moves
+        assert ask(prompt).choices[0].text == ref.text
+    assert fe.counters["kv_bytes_moved"] == moved
+    wait_until(lambda: entry(distserve, 0)["state"] == "ready", JOIN_S, "the new prefill instance to join")
+    assert fe.controller.disaggregated and entry(distserve, 0)["role"] == "prefill"
+    assert ask(PROMPTS[1]).choices[0].text == reference[1].text
+    assert fe.counters["kv_bytes_moved"] > moved  # disaggregated again
+    assert fe.counters["restarts"] == 1
