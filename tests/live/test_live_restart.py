@@ -17,8 +17,7 @@ import pytest
 from ecoserve.live.errors import InstanceLostError
 from ecoserve.live.shared import FrontendOptions
 from ecoserve.sampling import SamplingParams
-from tests.live.conftest import (engine_args, mock_args, model_facts, serve, single_engine_greedy, start_cluster,
-                                 wait_until, write_profile)
+from tests.live.conftest import mock_args, model_facts, serve, start_cluster, wait_until, write_profile
 from tests.live.fakes import FakeNoDG
 
 PROFILE = [(1, 20.0), (4, 25.0), (8, 60.0), (512, 200.0)]
@@ -162,40 +161,33 @@ def test_a_request_that_fails_after_streaming_leaves_the_metrics(cluster):
 
 
 # ---- FuDG: the survivor serves both roles -----------------------------------------------------------------------
-PROMPTS = ["The quick brown fox jumps over", "Paris is the capital of"]
-MAX_TOKENS = 8
-
-
 @pytest.fixture(scope="module")
-def distserve(tiny_model):
+def distserve(tiny_model, profile):
     from ecoserve.live.serve import LiveCluster, build_cluster
 
-    spec = LiveCluster("distserve", 2, 0, {"pd": (1, 1)}, tuple(engine_args(tiny_model)))
+    spec = LiveCluster("distserve", 2, 0, {"pd": (1, 1)}, tuple(mock_args(tiny_model, profile)))
     running = serve(build_cluster(model_facts(tiny_model), spec, spec.options(2.0, 0.5, 512),
                                   FrontendOptions(request_timeout_s=DEADLINE_S, restart_backoff_s=5.0)))
     yield running
     running.stop()
 
 
-def test_distserve_1to1_keeps_serving_without_its_prefill_instance(distserve, tiny_model):
-    reference = single_engine_greedy(tiny_model, PROMPTS, MAX_TOKENS)
+def test_distserve_1to1_keeps_serving_without_its_prefill_instance(distserve):
+    """Disaggregated, a request is dispatched twice (prefill instance 0, then decode instance 1); whole, once."""
     fe = distserve.engine
-    c = client(distserve.url)
+    sent = fe.controller.num_dispatched
 
-    def ask(prompt):
-        return c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    def served(dispatched_to: tuple[int, int]) -> None:
+        before = dict(sent)
+        complete(distserve, 6)
+        assert (sent[0] - before[0], sent[1] - before[1]) == dispatched_to
 
-    assert ask(PROMPTS[0]).choices[0].text == reference[0].text
-    moved = fe.counters["kv_bytes_moved"]
-    assert moved > 0
+    served((1, 1))
     os.kill(entry(distserve, 0)["pid"], signal.SIGKILL)
     wait_until(lambda: entry(distserve, 0)["state"] in ("lost", "starting"), 20, "the prefill instance's loss")
     assert not fe.controller.disaggregated
-    for prompt, ref in zip(PROMPTS, reference):  # served whole on the decode instance, no KV moves
-        assert ask(prompt).choices[0].text == ref.text
-    assert fe.counters["kv_bytes_moved"] == moved
+    for _ in range(3):  # whole requests on the decode instance
+        served((0, 1))
     wait_until(lambda: entry(distserve, 0)["state"] == "ready", JOIN_S, "the new prefill instance to join")
-    assert fe.controller.disaggregated and entry(distserve, 0)["role"] == "prefill"
-    assert ask(PROMPTS[1]).choices[0].text == reference[1].text
-    assert fe.counters["kv_bytes_moved"] > moved  # disaggregated again
-    assert fe.counters["restarts"] == 1
+    assert fe.controller.disaggregated and fe.counters["restarts"] == 1
+    served((1, 1))  # disaggregated again
