@@ -191,3 +191,54 @@ def test_distserve_1to1_keeps_serving_without_its_prefill_instance(distserve):
     wait_until(lambda: entry(distserve, 0)["state"] == "ready", JOIN_S, "the new prefill instance to join")
     assert fe.controller.disaggregated and fe.counters["restarts"] == 1
     served((1, 1))  # disaggregated again
+
+
+def test_restart_backoff_doubles_and_is_capped():
+    from ecoserve.live.supervisor import restart_backoff
+
+    assert [restart_backoff(1.0, n) for n in range(7)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert restart_backoff(45.0, 3) == 45.0  # a base above the cap is the cap
+
+
+def test_an_instance_that_never_joins_is_restarted_up_to_the_limit(tiny_model, tmp_path):
+    """Every start fails (no such profile file): restarted twice, then the slot stays lost and the cluster,
+    with no instance ever joined, reports itself dead instead of waiting."""
+    from ecoserve.live.frontend import ClusterEngine
+    from ecoserve.live.launchers import LocalLauncher
+
+    launcher = LocalLauncher(lambda iid: mock_args(tiny_model, str(tmp_path / "missing.csv")),
+                             env={"OMP_NUM_THREADS": "1"})
+    fe = ClusterEngine(model_facts(tiny_model), lambda step_time, status_of: FakeNoDG([0], status_of), [0], launcher,
+                       FrontendOptions(restart_backoff_s=0.2, max_restarts=2))
+
+    async def run():
+        fe.start()
+        try:
+            await asyncio.wait_for(fe.ready.wait(), 180)
+        finally:
+            await fe.stop()
+
+    asyncio.run(run())
+    h = fe.board[0]
+    assert fe.dead_error is not None and "no instance joined" in str(fe.dead_error)
+    assert h.state == "lost" and h.restarts == 2 and fe.counters["restarts"] == 2
+    assert "exited with code" in h.lost_reason and "not restarted" in h.lost_reason
+
+
+def test_ray_instance_is_replaced_by_a_new_actor_in_its_slot(tiny_model, profile):
+    pytest.importorskip("ray")
+    from tests.live.conftest import start_strategy
+
+    running = start_strategy(tiny_model, "vllm", 2, mock_args(tiny_model, profile), launcher="ray")
+    try:
+        launcher = running.engine.launcher
+        old_actor, old_pid = launcher.actors[0], entry(running, 0)["pid"]
+        os.kill(old_pid, signal.SIGKILL)
+        wait_until(lambda: entry(running, 0)["restarts"] == 1, 60, "the Ray instance's restart")
+        wait_until(lambda: entry(running, 0)["state"] == "ready", JOIN_S, "the new actor to join")
+        assert launcher.actors[0] is not old_actor and entry(running, 0)["pid"] != old_pid
+        for _ in range(2):
+            complete(running)
+        assert running.engine.controller.num_dispatched[0] >= 1
+    finally:
+        running.stop()
