@@ -242,3 +242,19 @@ def test_ray_instance_is_replaced_by_a_new_actor_in_its_slot(tiny_model, profile
         assert running.engine.controller.num_dispatched[0] >= 1
     finally:
         running.stop()
+
+
+def test_restart_flags_reach_the_frontend(tiny_model):
+    from ecoserve.cli import build_parser
+    from ecoserve.live.serve import make_cluster_engine
+
+    base = ["serve", "--strategy", "vllm", "--model", tiny_model, "--max-model-len", "256"]
+    fe = make_cluster_engine(build_parser().parse_args(
+        [*base, "--max-instance-restarts", "3", "--instance-restart-backoff", "0.25"]))
+    assert (fe.opts.max_restarts, fe.opts.restart_backoff_s) == (3, 0.25)
+    default = make_cluster_engine(build_parser().parse_args(base))
+    assert (default.opts.max_restarts, default.opts.restart_backoff_s) == (5, 1.0)
+    with pytest.raises(ValueError, match="--max-instance-restarts must be >= 0"):
+        make_cluster_engine(build_parser().parse_args([*base, "--max-instance-restarts", "-1"]))
+    with pytest.raises(ValueError, match="--instance-restart-backoff must be > 0"):
+        make_cluster_engine(build_parser().parse_args([*base, "--instance-restart-backoff", "0"]))
