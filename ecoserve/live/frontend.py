@@ -107,7 +107,7 @@ class ClusterEngine:
         self.requests: dict[str, LiveRequest] = {}
         self.dispatcher = Dispatcher(self, model.max_model_len, options.kv_transfer_timeout_s)
         self.receiver = Receiver(self, self.dispatcher, identity or model.name, self.planned, launcher is not None)
-        self.supervisor = Supervisor(self.board, options, launcher, self.receiver.expect)
+        self.supervisor = Supervisor(self.board, self.planned, options, launcher, self.receiver.expect)
         self.health = HealthWatch(self, options, launcher, self.supervisor)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.asyncio.Context | None = None

@@ -31,9 +31,10 @@ def restart_backoff(base_s: float, restarts_so_far: int) -> float:
 class Supervisor:
     """Owns the restart policy and the restarts in flight; the health watch tells it of every loss."""
 
-    def __init__(self, board: InstanceBoard, options: FrontendOptions, launcher: Launcher | None,
-                 expect: Callable[[int, int], None]) -> None:
+    def __init__(self, board: InstanceBoard, planned: list[int], options: FrontendOptions,
+                 launcher: Launcher | None, expect: Callable[[int, int], None]) -> None:
         self.board = board
+        self.planned = planned  # the frontend's (and receiver's) planned slots: a slot that leaves, leaves it too
         self.opts = options
         self.launcher = launcher
         self.expect = expect  # (pid, instance id): the receiver matches the new process's `Ready` to its slot
@@ -99,3 +100,5 @@ class Supervisor:
                 logger.info("instance %d leaves the board (lost %.0f s ago: %s)", h.instance_id, now - h.lost_at,
                             h.lost_reason)
                 self.board.remove(h.instance_id)
+                if h.instance_id in self.planned:
+                    self.planned.remove(h.instance_id)

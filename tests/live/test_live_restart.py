@@ -258,3 +258,40 @@ def test_restart_flags_reach_the_frontend(tiny_model):
         make_cluster_engine(build_parser().parse_args([*base, "--max-instance-restarts", "-1"]))
     with pytest.raises(ValueError, match="--instance-restart-backoff must be > 0"):
         make_cluster_engine(build_parser().parse_args([*base, "--instance-restart-backoff", "0"]))
+
+
+def test_a_lost_hand_started_instance_is_not_restarted_and_leaves_the_board(tiny_model, profile):
+    import socket
+    import subprocess
+
+    from ecoserve.live.frontend import ClusterEngine
+    from ecoserve.live.launchers import instance_command
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    fe = ClusterEngine(model_facts(tiny_model), lambda step_time, status_of: RejoiningNoDG([0], status_of), [0],
+                       None, FrontendOptions(bind=address, request_timeout_s=DEADLINE_S, lost_grace_s=2.0))
+
+    def by_hand():
+        return subprocess.Popen(instance_command(address, mock_args(tiny_model, profile)),
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    procs = [by_hand()]
+    running = serve(fe)
+    try:
+        assert [i["id"] for i in running.cluster()] == [0]
+        procs[0].kill()
+        wait_until(lambda: (entry(running, 0) or {}).get("state") == "lost", 20, "the hand-started instance's loss")
+        wait_until(lambda: entry(running, 0) is None, 20, "the lost slot to leave the board")
+        assert fe.counters["restarts"] == 0 and fe.planned == []
+        procs.append(by_hand())  # one more by hand: a new id, never the old one
+        wait_until(lambda: (entry(running, 1) or {}).get("state") == "ready", JOIN_S, "the second instance to join")
+        complete(running)
+        assert [i["id"] for i in running.cluster()] == [1]
+    finally:
+        running.stop()
+        for p in procs:
+            p.kill()
+            p.wait(10)
