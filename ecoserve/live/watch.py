@@ -59,7 +59,8 @@ class HealthWatch:
             late, last_tick = now - last_tick - WATCH_PERIOD_S, now
             try:
                 if late > LATE_S:
-                    logger.warning("the frontend's event loop was blocked for %.1f s", late)
+                    logger.log(logging.WARNING if late >= 1.0 else logging.DEBUG,
+                               "the frontend's event loop was blocked for %.1f s", late)
                     self.give_back(late)
                 self.fe.drain()  # what is queued was sent in time: it counts as heard
                 now = time.monotonic()
