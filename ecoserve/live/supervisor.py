@@ -83,8 +83,9 @@ class Supervisor:
             h.lost_reason = f"restart failed: {e!r}"
             self.lost(h, time.monotonic())
             return
-        if self.stopping:
+        if self.stopping:  # the frontend shut down while it started: it must not outlive the frontend
             h.restart_pending = False
+            self.launcher.kill(h.instance_id)
             return
         self.restarts += 1
         h.restarted(pid, time.monotonic() + self.opts.ready_timeout_s)
