@@ -1,4 +1,8 @@
-"""The baselines' routers and controllers: NoDG (replicas behind a load balancer), FuDG (prefill -> KV -> decode)."""
+"""The baselines' routers and controllers: NoDG (replicas behind a load balancer), FuDG (prefill -> KV -> decode).
+
+A FuDG cluster that has lost every instance of one role serves whole requests on the survivors (NoDG:
+prefill and decode on one instance) until an instance of that role joins again.
+"""
 from __future__ import annotations
 
 from collections import deque
@@ -6,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ecoserve.clock import Clock
-from ecoserve.cluster.controller import ControllerBase
+from ecoserve.cluster.controller import ControllerBase, NoInstanceError
 from ecoserve.cluster.events import (STAGING, Action, Dispatch, InstanceSetup, KVPath, PrefillDone, RequestArrived,
                                      TransferDone, TransferKV)
 from ecoserve.cluster.status import InstanceStatus, StatusOf
@@ -31,6 +35,8 @@ class NoDGRouter:
             raise ValueError(f"policy must be 'round_robin' or 'least_loaded', got {self.policy!r}")
 
     def route(self, status_of: StatusOf) -> int:
+        if not self.instances:
+            raise NoInstanceError("no instance is ready: every instance was lost (restarted ones rejoin once ready)")
         if self.policy == "round_robin":
             iid = self.instances[self._next % len(self.instances)]
             self._next += 1
@@ -92,16 +98,14 @@ class NoDGController(ControllerBase):
     def on_arrival(self, req: RequestArrived) -> list[Action]:
         return [Dispatch(req.request_id, self.router.route(self.status_of), req.max_tokens)]
 
-    def _joined(self, e):
-        if e.instance_id not in self.router.instances:
-            self.router.instances.append(e.instance_id)
-        return super()._joined(e)
+    def on_instance_joined(self, instance_id: int) -> list[Action]:
+        if instance_id not in self.router.instances:
+            self.router.instances.append(instance_id)
+        return []
 
     def on_instance_lost(self, instance_id: int) -> None:
         if instance_id in self.router.instances:
             self.router.instances.remove(instance_id)
-        if not self.router.instances:
-            raise RuntimeError("every instance was lost")
 
 
 class FuDGController(ControllerBase):
@@ -110,7 +114,8 @@ class FuDGController(ControllerBase):
     The KV leaves over the prefill instance's link into the decode side's staging buffer
     (`STAGING`); the decode instance is chosen when the KV is there and one has room (FIFO, the
     head blocks). `kv_path` tells the driver which link carries it: "intra_node" (DistServe) or
-    "inter_node" (MoonCake).
+    "inter_node" (MoonCake). With no prefill or no decode instance left, the survivors take whole
+    requests (and the KV already staged is decoded where it is) until the role is filled again.
     """
 
     def __init__(self, clock: Clock, status_of: StatusOf, num_prefill: int, num_decode: int,
@@ -127,10 +132,26 @@ class FuDGController(ControllerBase):
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "kv_path": self.kv_path, "kv_transferred_bytes": self.transferred_bytes}
 
+    @property
+    def disaggregated(self) -> bool:
+        """Both roles have an instance: prefill -> KV -> decode; otherwise the survivors serve whole requests."""
+        return bool(self.router.prefill) and bool(self.router.decode)
+
     def on_arrival(self, req: RequestArrived) -> list[Action]:
         if req.request_id in self.staged:  # a migrated request starts over: the KV it staged is gone
             self.staged.remove(req.request_id)
-        return [Dispatch(req.request_id, self.router.route_prefill(self.status_of), 1)]
+        if self.disaggregated:
+            return [Dispatch(req.request_id, self.router.route_prefill(self.status_of), 1)]
+        return [Dispatch(req.request_id, self._survivor(), req.max_tokens)]
+
+    def _survivor(self) -> int:
+        """The least loaded instance left, whatever its role (fewest requests, then most free KV)."""
+        left = self.router.prefill + self.router.decode
+        if not left:
+            n_p = sum(1 for s in self.setups.values() if s.role == "prefill")
+            raise NoInstanceError(f"no instance is ready: the FuDG cluster lost all {n_p} prefill and "
+                                  f"{len(self.setups) - n_p} decode instances (restarted ones rejoin once ready)")
+        return min(left, key=lambda i: (_load(self.status_of(i)), i))
 
     def on_prefill_done(self, e: PrefillDone) -> list[Action]:
         nbytes = e.num_tokens * self.kv_bytes_per_token
@@ -142,7 +163,9 @@ class FuDGController(ControllerBase):
         return self._place()
 
     def on_step(self, instance_id: int) -> list[Action]:
-        return self._place() if self.staged and instance_id in self.router.decode else []
+        if not self.staged or (self.router.decode and instance_id not in self.router.decode):
+            return []
+        return self._place()  # a decode instance may have room now; with none left, the holders decode
 
     def _place(self) -> list[Action]:
         acts: list[Action] = []
@@ -151,7 +174,13 @@ class FuDGController(ControllerBase):
             if req is None:  # aborted meanwhile
                 self.staged.popleft()
                 continue
-            iid = self.router.route_decode(self.status_of, req.prompt_len + req.max_tokens)
+            if self.router.decode:
+                iid = self.router.route_decode(self.status_of, req.prompt_len + req.max_tokens)
+            else:  # no decode instance: the prefill instance that holds the KV decodes the request itself
+                iid = self.where.get(req.request_id)
+                if iid not in self.router.prefill:
+                    self.staged.popleft()  # its KV was on a lost instance; the loss ends or moves the request
+                    continue
             if iid is None:
                 break
             self.staged.popleft()
@@ -162,6 +191,13 @@ class FuDGController(ControllerBase):
         for group in (self.router.prefill, self.router.decode):
             if instance_id in group:
                 group.remove(instance_id)
-                if not group:
-                    raise RuntimeError(f"FuDG lost its last {'prefill' if group is self.router.prefill else 'decode'}"
-                                       f" instance ({instance_id})")
+
+    def on_instance_joined(self, instance_id: int) -> list[Action]:
+        """Its planned role again (a restarted instance keeps its slot); staged KV may fit there now."""
+        setup = self.setups.get(instance_id)
+        group = {"prefill": self.router.prefill, "decode": self.router.decode}.get(setup.role if setup else None)
+        if group is None or instance_id in group:
+            return []
+        group.append(instance_id)
+        group.sort()
+        return self._place() if self.staged else []

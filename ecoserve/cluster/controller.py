@@ -1,6 +1,7 @@
 """What every cluster controller shares: where each request runs, lost instances, the driver surface.
 
-Subclasses (NoDG, FuDG, PaDG) say where requests go. A controller reads time only from its
+Subclasses (NoDG, FuDG, PaDG) say where requests go, and what a lost instance and a (re)joined one
+change in their routers. A controller reads time only from its
 `Clock` and statuses only from the driver's status reader (`status_of`).
 """
 from __future__ import annotations
@@ -16,6 +17,10 @@ from ecoserve.cluster.status import StatusOf
 from ecoserve.cluster.topology import Topology
 
 NO_MITOSIS = "this cluster has no mitosis: start it with --strategy ecoserve --mitosis N_L:N_U --num-free-instances F"
+
+
+class NoInstanceError(RuntimeError):
+    """No instance can take the request now; the message says what is missing (it reaches the client)."""
 
 
 class ControllerBase:
@@ -87,9 +92,13 @@ class ControllerBase:
         self.requests[e.request_id] = e
         return self.on_arrival(e)
 
+    def on_instance_joined(self, instance_id: int) -> list[Action]:
+        """An instance is up: a new one, or a lost one restarted in its slot (subclasses route to it again)."""
+        return []
+
     def _joined(self, e: InstanceJoined) -> list[Action]:
         self.num_dispatched.setdefault(e.instance_id, 0)
-        return []
+        return self.on_instance_joined(e.instance_id)
 
     def _finished(self, e: RequestFinished) -> list[Action]:
         acts = self.on_finished(e)

@@ -5,6 +5,7 @@ in its router per active instance; ties go to the larger macro instance, then th
 """
 from __future__ import annotations
 
+from ecoserve.cluster.controller import NoInstanceError
 from ecoserve.cluster.router import MacroInstance
 
 
@@ -15,5 +16,6 @@ class OverallScheduler:
     def pick(self) -> MacroInstance:
         live = [m for m in self.macros.values() if m.instances]
         if not live:
-            raise RuntimeError("no macro instance has an active instance")
+            raise NoInstanceError("no instance is ready: no macro instance has an instance left "
+                                  "(restarted ones rejoin once ready)")
         return min(live, key=lambda m: (len(m.pending) / len(m.instances), -len(m.instances), m.macro_id))

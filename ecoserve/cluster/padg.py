@@ -57,6 +57,7 @@ class PaDGController(ControllerBase):
         self.ttft_window = ttft_window
         self._recent: deque[tuple[float, int, float]] = deque()  # (time, macro, ttft)
         self._macro_of_request: dict[str, int] = {}
+        self._homes: dict[int, int | None] = {}  # lost instance -> the macro it left (None: the free pool)
         self.timeline: list[dict] = []
 
     def macro_of(self, instance_id: int) -> MacroInstance | None:
@@ -154,7 +155,23 @@ class PaDGController(ControllerBase):
         mac = self.macro_of(instance_id)
         if mac is not None:
             mac.remove_instance(instance_id)
+        self._homes[instance_id] = mac.macro_id if mac is not None else None
         self.layout.remove(instance_id)
+        if instance_id in self.layout.free:
+            self.layout.free.remove(instance_id)  # mitosis must not add a lost instance
+
+    def on_instance_joined(self, instance_id: int) -> list[Action]:
+        """A lost instance restarted in its slot goes back to its macro instance (or, if that is gone, to the
+        free pool), with its window closed (instances start with one open)."""
+        if instance_id not in self._homes:
+            return []  # a first join: the start-up layout has it already
+        home = self._homes.pop(instance_id)
+        if home is not None and home in self.macros:
+            self.layout.macros[home].append(instance_id)
+            self.macros[home].add_instance(instance_id)
+        else:  # it was free, or mitosis merged its macro instance away meanwhile
+            self.layout.free.append(instance_id)
+        return [CloseWindow(instance_id)] + self.retry_pending()
 
     # ---- mitosis ---------------------------------------------------------------------------
     def _mitosis(self, now: float) -> list[Action]:

@@ -40,6 +40,20 @@ class InstanceHandle:
     num_windows: int = 0
     window_open: bool = False
     held: bool = False  # output hold (reference mode)
+    join_deadline: float = float("inf")  # a starting instance that has not joined by then is lost
+    restarts: int = 0  # times the frontend started this slot's process again
+    restart_pending: bool = False  # lost, and a restart is scheduled or under way
+    lost_at: float | None = None  # when it was last lost (a lost slot with no restart leaves the board later)
+
+    def restarted(self, pid: int | None, join_deadline: float) -> None:
+        """A new process took this slot: forget the old connection and its status, keep the id and the counts."""
+        self.identity, self.ready, self.pid, self.host = None, None, pid, None
+        self.status, self.status_received, self.status_seq = None, 0.0, 0
+        self.dispatch_seq, self.unseen, self.requests = 0, {}, set()
+        self.window_open, self.held = False, False
+        self.state, self.lost_reason, self.lost_at = "starting", None, None
+        self.join_deadline, self.restart_pending = join_deadline, False
+        self.restarts += 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,7 @@ class InstanceView:
     lost_reason: str | None
     num_dispatched: int
     engine: dict | None  # the engine settings the instance reported in its Ready
+    restarts: int  # times the frontend restarted this slot's process
 
 
 def view_of(h: InstanceHandle, topology: Topology | None, num_dispatched: int, now: float) -> InstanceView:
@@ -78,7 +93,7 @@ def view_of(h: InstanceHandle, topology: Topology | None, num_dispatched: int, n
     return InstanceView(h.instance_id, h.pid, h.host, state, role, st.phase if st else None,
                         now - h.status_received if st else None, len(h.requests), st.free_kv_tokens if st else None,
                         h.num_windows, h.lost_reason, num_dispatched,
-                        msgspec.to_builtins(h.ready.engine) if h.ready else None)
+                        msgspec.to_builtins(h.ready.engine) if h.ready else None, h.restarts)
 
 
 def _rebase(st: InstanceStatus, offset: float, routed: dict[str, float], first: dict[str, float]) -> InstanceStatus:
@@ -94,13 +109,19 @@ class InstanceBoard:
         self.instances: dict[int, InstanceHandle] = {}
         self.routed_at: dict[str, float] = {}  # request id -> when the frontend dispatched it (its clock)
         self.first_token_at: dict[str, float] = {}
+        self._next_id = 0  # ids are never reused, also after a lost slot left the board
 
     def __getitem__(self, instance_id: int) -> InstanceHandle:
         return self.instances[instance_id]
 
     def add(self, handle: InstanceHandle) -> InstanceHandle:
         self.instances[handle.instance_id] = handle
+        self._next_id = max(self._next_id, handle.instance_id + 1)
         return handle
+
+    def remove(self, instance_id: int) -> None:
+        """A lost slot that will not come back leaves the board (frames no longer scan it)."""
+        self.instances.pop(instance_id, None)
 
     def by_identity(self, identity: bytes) -> InstanceHandle | None:
         for h in self.instances.values():
@@ -109,7 +130,7 @@ class InstanceBoard:
         return None
 
     def next_id(self) -> int:
-        return max(self.instances, default=-1) + 1
+        return self._next_id
 
     def live(self) -> list[InstanceHandle]:
         return [h for h in self.instances.values() if h.state not in ("starting", "lost")]

@@ -2,22 +2,25 @@
 
 It owns the model facts the server reads, a cluster controller (the routing policy, from
 `ecoserve.cluster`), one ZeroMQ ROUTER socket that every instance connects to, the board of
-instances and the requests. Requests enter here and become events for the controller; three
+instances and the requests. Requests enter here and become events for the controller; four
 collaborators do the rest: the `Dispatcher` carries out the controller's actions, the `Receiver`
-reads the instances' messages, the `HealthWatch` watches heartbeats, exits and deadlines.
-Everything runs on the server's event loop; every wait has a deadline.
+reads the instances' messages, the `HealthWatch` watches heartbeats, exits and deadlines, the
+`Supervisor` restarts lost instances. Everything runs on the server's event loop; every wait has
+a deadline.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+import weakref
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
 
 from ecoserve.cluster import events as ev
+from ecoserve.cluster.controller import NoInstanceError
 from ecoserve.cluster.profile import StepTimeTable
 from ecoserve.engine.async_engine import (EngineDeadError, EngineOverloadedError, EngineShutdownError, ModelFacts,
                                           StepObserver, check_grammar)
@@ -32,6 +35,7 @@ from ecoserve.live.receive import Receiver
 from ecoserve.live.requests import LiveRequest
 from ecoserve.live.routes import ClusterCollector
 from ecoserve.live.shared import FrontendOptions
+from ecoserve.live.supervisor import Supervisor
 from ecoserve.live.watch import HealthWatch
 from ecoserve.request import RequestOutput
 from ecoserve.sampling import SamplingParams
@@ -41,6 +45,47 @@ logger = logging.getLogger(__name__)
 
 # (prefill step time of n tokens, the board's status reader) -> a ClusterController
 ControllerFactory = Callable[[Callable[[int], float], Callable[[int], Any]], Any]
+MAX_DRAIN = 100_000  # messages one drain of the socket handles at most
+
+
+class ClusterStream:
+    """Async iterator over one cluster request's outputs; the last one has `finished` set.
+
+    Ending it early in any way (`aclose()`, an error, a cancelled consumer, or dropping it, started
+    or not) aborts the request, as the single engine's `RequestStream` does.
+    """
+
+    def __init__(self, fe: "ClusterEngine", req: LiveRequest) -> None:
+        self._fe, self._req = fe, req
+        self._done = False
+        self._abandoned = weakref.finalize(self, fe.abort_soon, req.request_id)  # dropped: from the collector
+
+    def __aiter__(self) -> "ClusterStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._req.outputs.get()
+        except BaseException:  # the consumer was cancelled
+            self._close()
+            raise
+        if isinstance(item, BaseException):
+            self._close()
+            raise item
+        if item.finished:
+            self._done = True
+            self._abandoned.detach()
+        return item
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        self._done = True
+        if self._abandoned.detach() is not None:
+            self._fe.abort(self._req.request_id)
 
 
 class ClusterEngine:
@@ -63,10 +108,12 @@ class ClusterEngine:
         self.requests: dict[str, LiveRequest] = {}
         self.dispatcher = Dispatcher(self, model.max_model_len, options.kv_transfer_timeout_s)
         self.receiver = Receiver(self, self.dispatcher, identity or model.name, self.planned, launcher is not None)
-        self.health = HealthWatch(self, options, launcher)
+        self.supervisor = Supervisor(self.board, self.planned, options, launcher, self.receiver.expect)
+        self.health = HealthWatch(self, options, launcher, self.supervisor)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self.sock: zmq.asyncio.Socket | None = None
+        self._drain_sock: zmq.Socket | None = None  # a blocking view of `sock`, to read what is queued now
         self.address: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._early: list[ev.Event] = []  # joins and arrivals before the controller exists
@@ -95,6 +142,7 @@ class ClusterEngine:
                 pid = self.launcher.launch(iid, self.address)
                 if pid is not None:
                     self.receiver.expect(pid, iid)
+        self.supervisor.started(self.address, self.planned if self.launcher is not None else [])
         self.health.arm()
         self._tasks = [asyncio.create_task(self.receiver.run(self.sock)), asyncio.create_task(self.health.run())]
         logger.info("frontend listening on %s for %d instance(s)", self.address, len(self.planned))
@@ -123,6 +171,7 @@ class ClusterEngine:
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         self._accepting = False
+        self.supervisor.stopping = True
         self.fail_all(EngineShutdownError("the server is shutting down"))
         for h in self.board.instances.values():
             if h.identity is not None and h.state != "lost":
@@ -132,14 +181,20 @@ class ClusterEngine:
             t.cancel()
         if self.launcher is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.launcher.shutdown, timeout_s)
+        if self._drain_sock is not None:
+            self._drain_sock.close(0)  # a shadow: the socket itself closes below
         if self.sock is not None:
             self.sock.close(0)
             self._ctx.term()
 
     def check_ready(self) -> None:
-        """Once every launched instance joined (or was lost): build the controller, replay what waited."""
-        if self.ready.is_set() or any(self.board[i].state == "starting" for i in self.planned):
+        """Once every launched instance joined (or was lost for good): build the controller, replay what waited."""
+        if self.ready.is_set():
             return
+        for i in self.planned:
+            h = self.board.instances.get(i)
+            if h is not None and (h.state == "starting" or h.restart_pending):
+                return
         joined = [h for h in self.board.instances.values() if h.ready is not None]
         if not joined:
             self.dead_error = RuntimeError("no instance joined the cluster")
@@ -155,7 +210,7 @@ class ClusterEngine:
             if not isinstance(event, ev.RequestArrived) or event.request_id in self.requests:
                 self.post(event)
         for h in self.board.instances.values():
-            if h.state == "lost" and h.ready is not None:
+            if h.state == "lost":  # joined and lost, or never joined: the controller must not route there
                 self.post(ev.InstanceLost(h.instance_id))
 
     # ---- requests ----------------------------------------------------------------------------
@@ -163,7 +218,7 @@ class ClusterEngine:
         return sum(1 for r in self.requests.values() if r.instance is None)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                 prompt: str | None = None, arrival_time: float | None = None) -> ClusterStream:
         if self.dead_error is not None:
             raise EngineDeadError(f"the cluster frontend failed: {self.dead_error!r}")
         if not self._accepting or self._loop is None:
@@ -182,7 +237,7 @@ class ClusterEngine:
         self.requests[request_id] = req
         self.post(ev.RequestArrived(request_id, len(req.prompt_token_ids),
                                     req.remaining_tokens(self.model.max_model_len), arrival))
-        return self._iterate(req)
+        return ClusterStream(self, req)
 
     def _validate(self, ids: list[int]) -> None:
         max_len, vocab = self.model.max_model_len, self.model.vocab_size
@@ -194,19 +249,6 @@ class ClusterEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
-    async def _iterate(self, req: LiveRequest) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await req.outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            if not req.done:  # the consumer went away, or an error: free the request everywhere
-                self.abort(req.request_id)
-
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None or req.done:
@@ -215,6 +257,14 @@ class ClusterEngine:
         if self.observer is not None:
             self.observer.on_abort([request_id])
         self.post(ev.RequestAborted(request_id))
+
+    def abort_soon(self, request_id: str) -> None:
+        """`abort` from any thread (a stream dropped unstarted is finalized wherever the collector runs)."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self.abort, request_id)
+            except RuntimeError:  # the loop has closed
+                pass
 
     async def check_grammar(self, spec: StructuredOutputsParams) -> None:
         await check_grammar(self._grammars, spec)
@@ -243,9 +293,10 @@ class ClusterEngine:
             stranded = [r for r in self.requests.values() if r.instance == event.instance_id]
         else:
             return
+        why = str(err) if isinstance(err, NoInstanceError) else repr(err)  # what is missing, or what broke
         for req in stranded:
             if req is not None and not req.done:
-                self.fail(req, UnroutableError(f"the cluster could not place request {req.request_id!r}: {err!r}"))
+                self.fail(req, UnroutableError(f"the cluster could not place request {req.request_id!r}: {why}"))
 
     def send(self, h: InstanceHandle, msg: m.Msg) -> None:
         try:
@@ -253,6 +304,28 @@ class ClusterEngine:
         except zmq.ZMQError as e:  # EHOSTUNREACH: its connection is gone
             if h.state != "lost":
                 self.health.lose(h, f"send failed: {e}")
+
+    def drain(self) -> int:
+        """Handle every message already queued on the instances' socket, as the receiver would."""
+        if self.sock is None:
+            return 0
+        if self._drain_sock is None:
+            self._drain_sock = zmq.Socket.shadow(self.sock.underlying)
+        n = 0
+        while n < MAX_DRAIN:
+            try:
+                frames = self._drain_sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            if len(frames) != 2:
+                logger.warning("dropped a message of %d frames", len(frames))
+                continue
+            try:
+                self.receiver.handle_frame(frames[0], frames[1])
+            except Exception:
+                logger.exception("handling a message from an instance failed")
+        return n
 
     def call_later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
         self._loop.call_later(delay_s, fn, *args)
@@ -268,6 +341,8 @@ class ClusterEngine:
                     self.send(h, m.Abort([req.request_id]))
         if error is not None:
             req.outputs.put_nowait(error)
+            if self.observer is not None:  # its metrics entries go, as an aborted request's do
+                self.observer.on_abort([req.request_id])
 
     def fail(self, req: LiveRequest, error: BaseException) -> None:
         self.end(req, error)
@@ -295,7 +370,8 @@ class ClusterEngine:
     def counters(self) -> dict[str, int]:
         return {"reroutes": self.dispatcher.reroutes, "instance_deaths": self.health.deaths,
                 "kv_bytes_moved": self.dispatcher.kv_bytes_moved, "refused_instances": self.receiver.refused,
-                "migrations": self.dispatcher.migrations, "migration_failures": self.health.migration_failures}
+                "migrations": self.dispatcher.migrations, "migration_failures": self.health.migration_failures,
+                "restarts": self.supervisor.restarts}
 
     def views(self) -> list[InstanceView]:
         """Every instance: the driver's own knowledge, placed in the controller's topology once there is one."""

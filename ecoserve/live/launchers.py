@@ -14,6 +14,8 @@ from typing import Callable, Protocol
 
 logger = logging.getLogger(__name__)
 
+REAP_TIMEOUT_S = 10.0  # how long a relaunch waits for the killed process to end
+
 ArgsFor = Callable[[int], list[str]]  # instance id -> `ecoserve instance` arguments (besides --connect)
 
 
@@ -27,6 +29,11 @@ class Launcher(Protocol):
         ...
 
     def kill(self, instance_id: int) -> None: ...
+
+    def relaunch(self, instance_id: int, connect: str) -> int | None:
+        """Replace a lost instance in the same slot: make sure the old one is gone, then start a new one.
+        May block (a Ray actor takes seconds to place): the frontend calls it off its event loop."""
+        ...
 
     def shutdown(self, timeout_s: float) -> None: ...
 
@@ -43,6 +50,7 @@ class LocalLauncher:
         self.env = {**os.environ, **(env or {})}
         self.log_dir = log_dir
         self.procs: dict[int, subprocess.Popen] = {}
+        self.orphans: list[subprocess.Popen] = []  # replaced processes that had not died yet
 
     def launch(self, instance_id: int, connect: str) -> int:
         out = None
@@ -64,8 +72,20 @@ class LocalLauncher:
         if proc is not None and proc.poll() is None:
             proc.kill()
 
+    def relaunch(self, instance_id: int, connect: str) -> int:
+        old = self.procs.get(instance_id)
+        if old is not None:
+            old.kill()
+            try:
+                old.wait(timeout=REAP_TIMEOUT_S)  # reap it: no zombie per restart
+            except subprocess.TimeoutExpired:
+                logger.warning("instance %d (pid %d) did not die within %.0f s of SIGKILL", instance_id, old.pid,
+                               REAP_TIMEOUT_S)
+                self.orphans.append(old)
+        return self.launch(instance_id, connect)
+
     def shutdown(self, timeout_s: float) -> None:
-        for proc in self.procs.values():
+        for proc in [*self.procs.values(), *self.orphans]:
             try:
                 proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -127,6 +147,13 @@ class RayLauncher:
         actor = self.actors.get(instance_id)
         if actor is not None:
             self.ray.kill(actor)
+
+    def relaunch(self, instance_id: int, connect: str) -> int:
+        """A new actor in the same slot (the actors run with max_restarts=0: the frontend decides)."""
+        self.kill(instance_id)
+        self.actors.pop(instance_id, None)
+        self.runs.pop(instance_id, None)
+        return self.launch(instance_id, connect)
 
     def shutdown(self, timeout_s: float) -> None:
         refs = list(self.runs.values())

@@ -63,7 +63,8 @@ class ClusterCollector:
                          ("refused_instances", "Instances refused at connect (version or model mismatch)."),
                          ("migrations", "Started streams moved to another instance after theirs was lost."),
                          ("migration_failures", "Started streams that could not move on and ended with an "
-                                                "error.")):
+                                                "error."),
+                         ("restarts", "Lost instances restarted by the frontend.")):
             c = CounterMetricFamily(self.prefix + "cluster_" + key, doc, labels=["model_name"])
             c.add_metric([self.model_name], counters[key])
             yield c

@@ -115,6 +115,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-migrations", type=int, default=2, metavar="K",
                    help="a started stream whose instance is lost continues on another one at most K times, then "
                         "ends with an error (0: it ends at once)")
+    g.add_argument("--max-instance-restarts", type=int, default=5, metavar="N",
+                   help="restart a lost launched instance at most N times (0: lost instances stay lost)")
+    g.add_argument("--instance-restart-backoff", type=float, default=1.0, metavar="S",
+                   help="seconds before the first restart of an instance, doubling with each (capped at 30 s)")
     g.add_argument("--mock-profile", default=None, metavar="FILE",
                    help="instances run no model: they sleep this tokens,ms profile's step time")
     g.add_argument("--instance-log-dir", default=None)
@@ -160,7 +164,13 @@ def make_cluster_engine(args: argparse.Namespace) -> ClusterEngine:
     spec, options = cluster_from_args(args, instance_args)
     loaded = load_model_info(args.model)
     model = ModelFacts.of(loaded, args.max_model_len or loaded.max_model_len)
+    if args.max_instance_restarts < 0:
+        raise ValueError(f"--max-instance-restarts must be >= 0, got {args.max_instance_restarts}")
+    if not args.instance_restart_backoff > 0:
+        raise ValueError(f"--instance-restart-backoff must be > 0 seconds, got {args.instance_restart_backoff}")
     fe_opts = FrontendOptions(bind=args.instance_bind, heartbeat_timeout_s=args.heartbeat_timeout,
                               request_timeout_s=args.request_timeout, max_waiting=args.max_waiting,
-                              max_migrations=args.max_migrations)
+                              max_migrations=args.max_migrations,
+                              max_restarts=args.max_instance_restarts,
+                              restart_backoff_s=args.instance_restart_backoff)
     return build_cluster(model, spec, options, fe_opts, args.num_threads or 1, identity=args.served_model_name)

@@ -24,6 +24,9 @@ class FrontendOptions:
     ready_timeout_s: float = 300.0  # launched instances that have not joined by then are lost
     max_waiting: int | None = None
     max_migrations: int = 2  # a stream whose instance is lost moves on at most this often (0: it fails)
+    restart_backoff_s: float = 1.0  # a lost launched instance is restarted after this, doubling per restart
+    max_restarts: int = 5  # restarts per instance (0: lost instances stay lost)
+    lost_grace_s: float = 60.0  # a lost instance that will not be restarted leaves the board after this
 
 
 class Frontend(Protocol):
@@ -55,4 +58,8 @@ class Frontend(Protocol):
 
     def check_ready(self) -> None:
         """Once no launched instance is still starting: build the controller (at most once)."""
+        ...
+
+    def drain(self) -> int:
+        """Handle every message already queued on the instances' socket; how many there were."""
         ...

@@ -1,5 +1,10 @@
 """The frontend's health watch: every 100 ms it pings, declares instances lost (process exit, missed
-heartbeat, never joined) and ends requests past their deadline."""
+heartbeat, never joined) and ends requests past their deadline.
+
+Silence is measured on the frontend's own schedule: when the watch wakes late (the event loop was
+blocked), every instance gets that time back, and messages already queued on the socket are read
+before anyone is judged, so a slow frontend never takes its instances for dead.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -12,34 +17,57 @@ from ecoserve.live.errors import InstanceLostError, RequestTimeoutError
 from ecoserve.live.launchers import Launcher
 from ecoserve.live.requests import LiveRequest
 from ecoserve.live.shared import Frontend, FrontendOptions
+from ecoserve.live.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
 WATCH_PERIOD_S = 0.1
+LATE_S = 0.2  # a wake-up later than this past its period gives every instance the lost time back
 
 
 class HealthWatch:
     """Owns the deadlines of instances (heartbeats, joining) and of requests, and how instances are lost."""
 
-    def __init__(self, fe: Frontend, options: FrontendOptions, launcher: Launcher | None) -> None:
+    def __init__(self, fe: Frontend, options: FrontendOptions, launcher: Launcher | None,
+                 supervisor: Supervisor) -> None:
         self.fe = fe
         self.opts = options
         self.launcher = launcher  # a process exit it reports is a loss
-        self.ready_deadline = float("inf")  # launched instances must have joined by then
+        self.supervisor = supervisor  # told of every loss: it restarts the slot or lets it go
         self.deaths = 0  # instances declared lost
         self.migration_failures = 0  # started requests of lost instances that could not move on
+        self.time_given_back = 0.0  # seconds of late wake-ups credited to the instances
 
     def arm(self) -> None:
         """The instances were launched now: they must join within the ready timeout."""
-        self.ready_deadline = time.monotonic() + self.opts.ready_timeout_s
+        deadline = time.monotonic() + self.opts.ready_timeout_s
+        for h in self.fe.board.instances.values():
+            if h.state == "starting":
+                h.join_deadline = deadline
+
+    def give_back(self, late_s: float) -> None:
+        """The watch slept `late_s` longer than it asked: nobody was listening then, so nobody was silent."""
+        self.time_given_back += late_s
+        for h in self.fe.board.instances.values():
+            h.last_heard += late_s
+            h.join_deadline += late_s
 
     async def run(self) -> None:
         last_ping = 0.0
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             now = time.monotonic()
+            late, last_tick = now - last_tick - WATCH_PERIOD_S, now
             try:
+                if late > LATE_S:
+                    logger.log(logging.WARNING if late >= 1.0 else logging.DEBUG,
+                               "the frontend's event loop was blocked for %.1f s", late)
+                    self.give_back(late)
+                self.fe.drain()  # what is queued was sent in time: it counts as heard
+                now = time.monotonic()
                 self.check_instances(now)
+                self.supervisor.sweep(now)
                 if now - last_ping >= self.opts.ping_interval_s:
                     last_ping = now
                     for h in self.fe.board.instances.values():
@@ -65,7 +93,7 @@ class HealthWatch:
                 self.lose(h, f"process exited with code {code}")
             elif h.state != "starting" and now - h.last_heard > self.silence_allowed(h):
                 self.lose(h, f"no heartbeat for {now - h.last_heard:.1f} s")
-            elif h.state == "starting" and now > self.ready_deadline:
+            elif h.state == "starting" and now > h.join_deadline:
                 self.lose(h, f"did not join within {self.opts.ready_timeout_s:.0f} s")
         self.fe.check_ready()
 
@@ -106,3 +134,4 @@ class HealthWatch:
                                     req.remaining_tokens(self.fe.max_model_len)))
         if h.ready is not None:
             self.fe.post(ev.InstanceLost(h.instance_id, tuple(resume)))
+        self.supervisor.lost(h, time.monotonic())

@@ -36,7 +36,10 @@ def profile(tmp_path_factory):
 def cluster(tiny_model, profile):
     running = start_cluster(tiny_model, lambda step_time, status_of: FakeNoDG([0, 1, 2, 3], status_of), 4,
                             lambda iid: mock_args(tiny_model, profile),
-                            options=FrontendOptions(request_timeout_s=DEADLINE_S, max_migrations=0))
+                            # restarts and migration off, no grace removal: this module watches the losses themselves
+                            # (test_live_restart.py covers their replacement)
+                            options=FrontendOptions(request_timeout_s=DEADLINE_S, max_restarts=0,
+                                                    lost_grace_s=3600.0, max_migrations=0))
     yield running
     running.stop()
 
@@ -180,6 +183,7 @@ def test_with_every_instance_lost_a_request_ends_at_once(cluster):
     call = Call(cluster.url, stream=False, max_tokens=3)
     call.join(DEADLINE_S)
     assert call.error is not None and "could not place" in str(call.error)
+    assert "no instance is ready" in str(call.error) and "Error(" not in str(call.error)  # what is missing
     assert call.elapsed < 10 and not cluster.engine.requests
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import openai
 
 from ecoserve.live.instance import ENGINE_DEAD
+from ecoserve.live.shared import FrontendOptions
 from tests.live.conftest import instance_args, single_engine_greedy, start_cluster, wait_until
 from tests.live.fakes import FakeNoDG
 
@@ -26,7 +27,8 @@ def test_tp2_instance_serves_then_a_dead_rank_makes_it_lost(tiny_model):
     want = single_engine_greedy(tiny_model, [PROMPT], 8)[0]
     running = start_cluster(tiny_model, lambda step_time, status_of: FakeNoDG([0], status_of), 1,
                             lambda iid: instance_args(tiny_model, "prefill_first", "--tensor-parallel-size", "2",
-                                                      "--heartbeat-interval", "0.2"))
+                                                      "--heartbeat-interval", "0.2"),
+                            options=FrontendOptions(max_restarts=0))  # the dead process stays for the checks
     try:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", timeout=60, max_retries=0)
         got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
