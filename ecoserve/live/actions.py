@@ -9,6 +9,7 @@ prompt + that output, with what is left of its budget, and the text the client h
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from ecoserve.live.requests import LiveRequest
 from ecoserve.live.shared import Frontend
 
 logger = logging.getLogger(__name__)
+RECENT_MIGRATIONS = 256
 
 
 class Dispatcher:
@@ -34,6 +36,8 @@ class Dispatcher:
         self.reroutes = 0  # requests dispatched again after their instance was lost, before their first token
         self.migrations = 0  # started requests dispatched again (as prompt + output) after their instance was lost
         self.kv_bytes_moved = 0
+        # the latest migrations, {request_id, from, to}, for /cluster (which streams moved, and where)
+        self.recent_migrations: deque[dict] = deque(maxlen=RECENT_MIGRATIONS)
         self._handlers: dict[type, Callable[[Any], None]] = {
             ev.Dispatch: self.dispatch, ev.TransferKV: self.transfer, ev.OpenWindow: self.window,
             ev.CloseWindow: self.window, ev.HoldOutput: self.hold, ev.ReleaseOutput: self.hold, ev.Scale: self.scale,
@@ -61,9 +65,10 @@ class Dispatcher:
             fe.fail(req, InstanceLostError("the request had streamed tokens and cannot move to another instance"))
             return
         if req.lost_from is not None:
-            req.lost_from = None
+            lost_from, req.lost_from = req.lost_from, None
             if req.streamed:
                 self.migrations += 1
+                self.recent_migrations.append({"request_id": req.request_id, "from": lost_from, "to": h.instance_id})
             else:
                 req.reroutes += 1
                 self.reroutes += 1

@@ -373,6 +373,10 @@ class ClusterEngine:
                 "migrations": self.dispatcher.migrations, "migration_failures": self.health.migration_failures,
                 "restarts": self.supervisor.restarts}
 
+    @property
+    def recent_migrations(self) -> list[dict]:
+        return list(self.dispatcher.recent_migrations)
+
     def views(self) -> list[InstanceView]:
         """Every instance: the driver's own knowledge, placed in the controller's topology once there is one."""
         now = time.monotonic()

@@ -21,6 +21,9 @@ class ClusterReadout(Protocol):
 
     def views(self) -> list[InstanceView]: ...
 
+    @property
+    def recent_migrations(self) -> list[dict]: ...
+
     def scale_by_hand(self, macro: int, delta: int) -> list[dict]: ...
 
 
@@ -84,7 +87,7 @@ def cluster_router(cluster: ClusterReadout) -> APIRouter:
         views = cluster.views()
         return {"instances": [{**asdict(v), "status_age_s": None if v.status_age_s is None
                                else round(v.status_age_s, 3)} for v in views],
-                "counters": dict(cluster.counters)}
+                "counters": dict(cluster.counters), "recent_migrations": list(cluster.recent_migrations)}
 
     # tagged admin: it drains instances, so the server serves it only with --enable-admin-api
     @router.post("/cluster/scale", response_model=None, tags=["admin"])
