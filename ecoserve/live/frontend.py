@@ -167,6 +167,7 @@ class ClusterEngine:
         if not self._accepting:
             return
         self._accepting = False
+        self.supervisor.stopping = True  # an instance that exits now (the terminal's SIGINT) is not replaced
         self.call_later(grace_s, self.fail_all, EngineShutdownError("the server is shutting down"))
 
     async def stop(self, timeout_s: float = 5.0) -> None:

@@ -1,0 +1,28 @@
+"""Chaos: a steady load on 3 real instances while a random one is SIGKILLed or SIGSTOPped every few
+seconds (scripts/chaos_cluster.py, bounded and seeded). Nothing is lost, outputs equal the fault-free
+run's, and the cluster is back to 3 ready instances after every fault."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.live.conftest import INSTANCE_ARGS
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "chaos_cluster.py"
+
+
+def test_chaos_run_loses_nothing_and_recovers(tiny_model, tmp_path):
+    out = tmp_path / "chaos"
+    cmd = [sys.executable, str(SCRIPT), "--model", tiny_model, "--duration", "30", "--calm-duration", "5",
+           "--fault-interval", "3", "--concurrency", "4", "--max-tokens", "24", "--request-deadline", "90",
+           "--seed", "7", "--out", str(out), *(f"--serve-arg={a}" for a in INSTANCE_ARGS[2:])]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    summary = json.loads((out / "chaos.json").read_text())
+    detail = f"{run.stdout}\n{run.stderr[-3000:]}\n{json.dumps(summary, indent=1)[:3000]}"
+    assert summary["faults"] >= 2, detail
+    assert summary["lost"] == 0 and summary["mismatched"] == 0, detail
+    assert summary["unrecovered_faults"] == 0 and summary["recovered_at_end"], detail
+    assert summary["completed"] > 0 and summary["counters"]["restarts"] >= summary["faults"], detail
+    assert run.returncode == 0, detail
