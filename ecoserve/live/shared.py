@@ -10,6 +10,7 @@ from typing import Any, Callable, Protocol
 
 from ecoserve.cluster import events as ev
 from ecoserve.live import messages as m
+from ecoserve.live.auth import ClusterAuth
 from ecoserve.live.board import InstanceBoard, InstanceHandle
 from ecoserve.live.requests import LiveRequest
 
@@ -23,6 +24,7 @@ class FrontendOptions:
     kv_transfer_timeout_s: float = 10.0
     ready_timeout_s: float = 300.0  # launched instances that have not joined by then are lost
     max_waiting: int | None = None
+    auth: ClusterAuth | None = None  # the cluster's CURVE keys; None: unauthenticated (`--cluster-auth none`)
 
 
 class Frontend(Protocol):
