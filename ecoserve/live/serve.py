@@ -80,8 +80,8 @@ def build_cluster(model: ModelFacts, spec: LiveCluster, options: ControllerOptio
         from ecoserve.live.launchers import LocalLauncher
         env = {"OMP_NUM_THREADS": str(num_threads)} if num_threads else {}
         launcher = LocalLauncher(args_for, env, spec.instance_log_dir, key_dir, owns_key_dir)
-    options = dataclasses.replace(frontend or FrontendOptions(), auth=auth)
-    return ClusterEngine(model, factory, sorted(setups), launcher, options, identity=identity)
+    fe_options = dataclasses.replace(frontend or FrontendOptions(), auth=auth)
+    return ClusterEngine(model, factory, sorted(setups), launcher, fe_options, identity=identity)
 
 
 def cluster_keys(spec: LiveCluster) -> tuple[ClusterAuth | None, str | None, bool]:
