@@ -86,6 +86,11 @@ class FrontendLink:
             return None  # a single undetailed failure may be a connection cut mid-handshake
         return _HANDSHAKE_FAILED[e]
 
+    def joined(self) -> None:
+        """A welcome came through: the link is up, whatever the monitor has not reported yet."""
+        self.update()
+        self.connected, self.down_since = True, None
+
     def down_for(self, now: float) -> float:
         return 0.0 if self.down_since is None else now - self.down_since
 
@@ -161,6 +166,7 @@ class InstanceLoop:
             msg = m.decode_to_instance(self.sock.recv())
             if isinstance(msg, m.Welcome):
                 self.instance_id = msg.instance_id
+                self.link.joined()
                 return True
             if isinstance(msg, m.Shutdown):
                 logger.error("the frontend refused this instance (its log says why)")

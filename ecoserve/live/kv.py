@@ -74,14 +74,13 @@ def check_transfer(header: KVHeader, buffers: list[memoryview], expected: KVExpe
 
 
 class ZmqKVConnector:
-    """The PULL socket bound on this host (frames larger than `max_frame_bytes` cut the sender off)."""
+    """The PULL socket bound on this host (a frame larger than `max_frame_bytes`, or 64 KiB, cuts its sender off)."""
 
     def __init__(self, ctx: zmq.Context, host: str = "127.0.0.1", auth: ClusterAuth | None = None,
                  max_frame_bytes: int = 0) -> None:
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
-        if max_frame_bytes > 0:
-            self.pull.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, 1 << 16))
+        self.pull.setsockopt(zmq.MAXMSGSIZE, max(max_frame_bytes, 1 << 16))
         if auth is not None:
             make_server(self.pull, auth)
         port = self.pull.bind_to_random_port(f"tcp://{host}")

@@ -21,6 +21,7 @@ class BareFrontend:
         self.authenticator = cluster_auth.start_authenticator(self.ctx, auth) if auth is not None else None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # as the real frontend: a reconnection takes over
         if auth is not None:
             cluster_auth.make_server(self.sock, auth)
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"

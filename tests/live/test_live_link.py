@@ -1,10 +1,14 @@
 """The frontend<->instance connection under load, with real processes over CURVE (the default): a burst of
 thousands of queued messages to a busy instance does not lose it; a frontend event loop blocked for 8 s does
 not make instances exit or be declared lost; a frontend that is gone makes its instance exit within the
-reconnection window."""
+reconnection window, and one stopped for less than the window keeps its instance."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -92,3 +96,46 @@ def test_instance_exits_when_its_frontend_is_gone(tiny_model, profile, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+FRONTEND_PROCESS = """
+import sys
+from ecoserve.live import auth
+from tests.live.peers import BareFrontend
+fe = BareFrontend(auth.load(sys.argv[1]))
+print(fe.address, flush=True)
+fe.welcome(180)
+print("welcomed", flush=True)
+while True:
+    fe.pump(1.0)
+"""
+
+
+def test_stopped_frontend_within_the_window_keeps_its_instance(tiny_model, profile, tmp_path):
+    """A frontend process SIGSTOPped for 6 s (longer than the old 5-s silence and the 3-s ZMTP heartbeat
+    timeout, shorter than the 10-s window) keeps its instance; SIGKILLed, the instance exits within the window."""
+    key_dir = str(tmp_path / "keys")
+    cluster_auth.generate(key_dir)
+    frontend = subprocess.Popen([sys.executable, "-c", FRONTEND_PROCESS, key_dir], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = None
+    try:
+        address = frontend.stdout.readline().strip()
+        assert address.startswith("tcp://"), address
+        proc = start_instance(address, mock_args(tiny_model, profile, "prefill_first", "--cluster-key-dir", key_dir,
+                                                 "--reconnect-window", "10"))
+        assert frontend.stdout.readline().strip() == "welcomed"
+        os.kill(frontend.pid, signal.SIGSTOP)
+        time.sleep(6.0)
+        os.kill(frontend.pid, signal.SIGCONT)
+        time.sleep(4.0)
+        assert proc.poll() is None, "the instance gave up on a frontend that was only stopped"
+        frontend.kill()
+        t0 = time.monotonic()
+        assert proc.wait(timeout=40) == 3
+        assert time.monotonic() - t0 < 10 + 3 + 5  # the window + the ZMTP heartbeat timeout + slack
+    finally:
+        for p in (frontend, proc):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
