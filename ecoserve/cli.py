@@ -40,6 +40,20 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args, AsyncEngine(LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())))
 
 
+def _keys_generate(args: argparse.Namespace) -> int:
+    """`ecoserve keys generate DIR`: the key set for `--cluster-key-dir` (refuses to overwrite one)."""
+    import os
+
+    from ecoserve.live.auth import SERVER_NAME, generate
+
+    if os.path.exists(os.path.join(args.dir, f"{SERVER_NAME}.key_secret")):
+        raise ValueError(f"{args.dir} already holds a cluster key set")
+    generate(args.dir)
+    print(f"wrote a cluster key set to {args.dir}; pass --cluster-key-dir {args.dir} to `ecoserve serve` "
+          f"and `ecoserve instance` (keep the .key_secret files private)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ecoserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="level of ecoserve's own log (libraries log warnings)")
@@ -76,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(func=_serve)
     from ecoserve.live import cli as live_cli
     live_cli.add_parser(sub)
+    keys = sub.add_parser("keys", help="cluster keys").add_subparsers(dest="keys", required=True)
+    gen_keys = keys.add_parser("generate", help="write a cluster key set (CURVE) for --cluster-key-dir",
+                               description="Write a fresh cluster key set into DIR (mode 0700): server.key, "
+                                           "client.key and their .key_secret files.")
+    gen_keys.add_argument("dir", metavar="DIR")
+    gen_keys.set_defaults(func=_keys_generate)
     try:
         from ecoserve.sim import cli as sim_cli
         sim_cli.add_parser(sub)

@@ -131,6 +131,7 @@ class Dispatcher:
             return
         tid = req.transfer = next(self.transfer_ids)
         dst.requests.add(req.request_id)  # an abort now also frees what it has imported
+        fe.send(dst, m.ExpectKV(req.request_id, tid, num_tokens, src_id))  # the only transfer it will accept
         fe.send(src, m.ExportKV(req.request_id, num_tokens, dst.ready.kv_address, tid))
         fe.call_later(self.kv_transfer_timeout_s, self._transfer_deadline, req, tid)
 

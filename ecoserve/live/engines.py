@@ -49,6 +49,16 @@ class RealEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.quantization = engine.loaded.quantization
+        from ecoserve.model.loader import resolve_dtype
+        config = engine.config
+        dtype = (self.kv_cache.k.dtype if self.kv_cache is not None
+                 else resolve_dtype(config.dtype, config.device, engine.loaded.spec.torch_dtype))
+        self.kv_dtype = str(dtype).removeprefix("torch.")
+
+    def kv_frame_sizes(self, num_blocks: int) -> list[int]:
+        """The frames a transfer of `num_blocks` blocks carries: K and V, each half the KV bytes."""
+        half = num_blocks * self.block_size * self.kv_bytes_per_token // 2
+        return [half, half]
 
     def add(self, msg: AddRequest) -> None:
         """Queue a request (ValueError for bad input or a duplicate id; nothing changes then)."""
@@ -168,7 +178,7 @@ class MockEngine:
         self.scheduler = Scheduler(SchedulerConfig(policy, max_num_batched_tokens, max_num_seqs, max_model_len),
                                    CacheConfig(block_size, num_gpu_blocks=num_blocks, enable_prefix_caching=False),
                                    num_blocks, WallClock(), max_model_len)
-        self.block_size, self.kv_bytes_per_token = block_size, 0
+        self.block_size, self.kv_bytes_per_token, self.kv_dtype = block_size, 0, "none"
         self.model_name, self.max_model_len = model_name, max_model_len
         self._requests: dict[str, Request] = {}
         self.text = text
@@ -228,8 +238,11 @@ class MockEngine:
     def close(self) -> None:
         pass
 
-    def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
+    def kv_frame_sizes(self, num_blocks: int) -> list[int]:
         return []  # no tensors: a transfer moves only the block count
+
+    def read_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        return []
 
     def write_blocks(self, block_ids: list[int], buffers: list) -> None:
         pass

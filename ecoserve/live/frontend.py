@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
 from ecoserve.cluster import events as ev
 from ecoserve.cluster.controller import NoInstanceError
@@ -28,6 +29,7 @@ from ecoserve.engine.guided import GrammarCompiler
 from ecoserve.engine.llm_engine import validate_params
 from ecoserve.live import messages as m
 from ecoserve.live.actions import Dispatcher
+from ecoserve.live.auth import make_server, start_authenticator
 from ecoserve.live.board import InstanceBoard, InstanceHandle, InstanceView, view_of
 from ecoserve.live.errors import UnroutableError
 from ecoserve.live.launchers import Launcher
@@ -114,6 +116,7 @@ class ClusterEngine:
         self._ctx: zmq.asyncio.Context | None = None
         self.sock: zmq.asyncio.Socket | None = None
         self._drain_sock: zmq.Socket | None = None  # a blocking view of `sock`, to read what is queued now
+        self._authenticator: ThreadAuthenticator | None = None
         self.address: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._early: list[ev.Event] = []  # joins and arrivals before the controller exists
@@ -127,8 +130,7 @@ class ClusterEngine:
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer fails instead of vanishing
+        self._configure(self.sock)
         host, port = self.opts.bind.rsplit(":", 1)
         if port == "0":
             self.address = f"{host}:{self.sock.bind_to_random_port(host)}"
@@ -146,6 +148,22 @@ class ClusterEngine:
         self.health.arm()
         self._tasks = [asyncio.create_task(self.receiver.run(self.sock)), asyncio.create_task(self.health.run())]
         logger.info("frontend listening on %s for %d instance(s)", self.address, len(self.planned))
+
+    def _configure(self, sock: zmq.Socket) -> None:
+        """The instance port: CURVE server (with its authenticator), zero HWM, ZMTP heartbeats."""
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished peer fails instead of vanishing
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an instance that reconnects (same routing id) takes its place
+        sock.setsockopt(zmq.SNDHWM, 0)  # a busy instance's messages queue; a full queue never loses it
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # answered by libzmq's I/O thread, not this event loop
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        auth = self.opts.auth
+        if auth is None:
+            logger.warning("cluster auth is off: anyone who reaches %s can join as an instance", self.opts.bind)
+            return
+        self._authenticator = start_authenticator(self._ctx, auth)
+        make_server(sock, auth)
 
     @property
     def is_running(self) -> bool:
@@ -186,6 +204,8 @@ class ClusterEngine:
             self._drain_sock.close(0)  # a shadow: the socket itself closes below
         if self.sock is not None:
             self.sock.close(0)
+            if self._authenticator is not None:
+                self._authenticator.stop()
             self._ctx.term()
 
     def check_ready(self) -> None:
@@ -300,11 +320,14 @@ class ClusterEngine:
                 self.fail(req, UnroutableError(f"the cluster could not place request {req.request_id!r}: {why}"))
 
     def send(self, h: InstanceHandle, msg: m.Msg) -> None:
+        """Queue a message to an instance (never blocks: zero HWM); only a peer that is gone is lost."""
         try:
             self.sock.send_multipart([h.identity, m.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: its connection is gone
-            if h.state != "lost":
-                self.health.lose(h, f"send failed: {e}")
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:  # not the peer's fault (e.g. EAGAIN): its heartbeat deadline decides
+                logger.error("a %s to instance %d could not be queued: %s", type(msg).__name__, h.instance_id, e)
+            elif h.state != "lost":
+                self.health.lose(h, f"its connection is gone ({e})")
 
     def drain(self) -> int:
         """Handle every message already queued on the instances' socket, as the receiver would."""
@@ -372,7 +395,7 @@ class ClusterEngine:
         return {"reroutes": self.dispatcher.reroutes, "instance_deaths": self.health.deaths,
                 "kv_bytes_moved": self.dispatcher.kv_bytes_moved, "refused_instances": self.receiver.refused,
                 "migrations": self.dispatcher.migrations, "migration_failures": self.health.migration_failures,
-                "restarts": self.supervisor.restarts}
+                "restarts": self.supervisor.restarts, "rejected_messages": self.receiver.rejected}
 
     @property
     def recent_migrations(self) -> list[dict]:

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from ecoserve.live.auth import ClusterAuth
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +47,30 @@ def instance_command(connect: str, args: list[str]) -> list[str]:
 
 
 class LocalLauncher:
-    """Each instance is a subprocess of the frontend, on this machine."""
+    """Each instance is a subprocess of the frontend, on this machine.
 
-    def __init__(self, args_for: ArgsFor, env: dict[str, str] | None = None, log_dir: str | None = None) -> None:
+    `key_dir`: the cluster's key set, passed as `--cluster-key-dir` (None: `--cluster-auth none`);
+    `owns_key_dir`: a per-run temporary directory, removed at shutdown."""
+
+    def __init__(self, args_for: ArgsFor, env: dict[str, str] | None = None, log_dir: str | None = None,
+                 key_dir: str | None = None, owns_key_dir: bool = False) -> None:
         self.args_for = args_for
         self.env = {**os.environ, **(env or {})}
         self.log_dir = log_dir
+        self.key_dir, self.owns_key_dir = key_dir, owns_key_dir
         self.procs: dict[int, subprocess.Popen] = {}
         self.orphans: list[subprocess.Popen] = []  # replaced processes that had not died yet
+
+    def _auth_args(self) -> list[str]:
+        return ["--cluster-key-dir", self.key_dir] if self.key_dir else ["--cluster-auth", "none"]
 
     def launch(self, instance_id: int, connect: str) -> int:
         out = None
         if self.log_dir is not None:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"instance-{instance_id}.log"), "ab")
-        proc = subprocess.Popen(instance_command(connect, self.args_for(instance_id)), env=self.env,
+        proc = subprocess.Popen(instance_command(connect, [*self.args_for(instance_id), *self._auth_args()]),
+                                env=self.env,
                                 stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL)
         self.procs[instance_id] = proc
         logger.info("started instance %d as pid %d", instance_id, proc.pid)
@@ -92,28 +105,39 @@ class LocalLauncher:
                 logger.warning("instance pid %d did not exit within %.1f s; killing it", proc.pid, timeout_s)
                 proc.kill()
                 proc.wait(timeout=timeout_s)
+        if self.owns_key_dir and self.key_dir:
+            shutil.rmtree(self.key_dir, ignore_errors=True)
 
 
-def _instance_main(connect: str, args: list[str]) -> int:
-    """The body of a Ray actor: the same `ecoserve instance` entry point, in the actor's process."""
+def _instance_main(connect: str, args: list[str], auth: ClusterAuth | None) -> int:
+    """The body of a Ray actor: the same `ecoserve instance` entry point, in the actor's process. Its KV
+    receiver binds this node's address (other nodes must reach it) unless the arguments name one."""
     from ecoserve.live.cli import instance_main
-    return instance_main(["--connect", connect, *args])
+    if "--kv-host" not in args:
+        import ray
+        args = [*args, "--kv-host", ray.util.get_node_ip_address()]
+    if auth is None:
+        args = [*args, "--cluster-auth", "none"]
+    return instance_main(["--connect", connect, *args], auth)
 
 
 class RayLauncher:
     """Each instance runs in a Ray actor, placed by Ray on a node with the resources it asks for.
 
-    Ray starts locally when no `address` is given (and is shut down with the cluster then).
+    Ray starts locally when no `address` is given (and is shut down with the cluster then). `auth`, the
+    cluster's key set, reaches each actor as a call argument (other nodes do not share this one's disk).
     """
 
     def __init__(self, args_for: ArgsFor, address: str | None = None, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, resources: dict[str, float] | None = None) -> None:
+                 num_gpus: float = 0.0, resources: dict[str, float] | None = None,
+                 auth: ClusterAuth | None = None) -> None:
         try:
             import ray
         except ImportError:
             raise ValueError("--launcher ray needs Ray: pip install 'ecoserve[ray]'") from None
         self.ray = ray
         self.args_for = args_for
+        self.auth = auth
         self.started_ray = not ray.is_initialized() and address is None
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
@@ -127,7 +151,7 @@ class RayLauncher:
         actor = self._actor_cls.remote()
         pid = self.ray.get(actor.pid.remote(), timeout=120)
         self.actors[instance_id] = actor
-        self.runs[instance_id] = actor.run.remote(connect, self.args_for(instance_id))
+        self.runs[instance_id] = actor.run.remote(connect, self.args_for(instance_id), self.auth)
         logger.info("started instance %d in a Ray actor (pid %d)", instance_id, pid)
         return pid
 
@@ -169,5 +193,5 @@ class _InstanceActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, connect: str, args: list[str]) -> int:
-        return _instance_main(connect, args)
+    def run(self, connect: str, args: list[str], auth: ClusterAuth | None = None) -> int:
+        return _instance_main(connect, args, auth)

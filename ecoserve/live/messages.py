@@ -16,8 +16,9 @@ from ecoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# 2: AddRequest.num_output_tokens (a grammar continues on the decode leg); 3: Ready.max_step_ms; 4: Ready.engine
-PROTOCOL_VERSION = 4
+# 2: AddRequest.num_output_tokens (a grammar continues on the decode leg); 3: Ready.max_step_ms; 4: Ready.engine;
+# 5: Ready.kv_dtype, ExpectKV (an instance accepts only the KV transfers it was told to expect)
+PROTOCOL_VERSION = 5
 
 
 class Msg(msgspec.Struct, tag=True, frozen=True):
@@ -72,8 +73,17 @@ class ExportKV(Msg):
     transfer_id: int
 
 
+class ExpectKV(Msg):
+    """To the destination of a KV transfer, before the source is asked: accept this transfer (and no other)."""
+
+    request_id: str
+    transfer_id: int
+    num_tokens: int
+    src: int
+
+
 class Ping(Msg):
-    """The frontend's heartbeat: an instance that hears nothing for its deadline exits on its own."""
+    """The frontend's application heartbeat; instances watch their connection (ZMTP heartbeats) instead."""
 
     time: float
 
@@ -108,6 +118,7 @@ class Ready(Msg):
     # must not take for a stall (on one CPU core a 2048-token step of a 135M model takes seconds)
     max_step_ms: float = 0.0
     engine: EngineSettings | None = None
+    kv_dtype: str = ""  # the KV tensors' element type; with block_size and kv_bytes_per_token, the KV layout
 
 
 class Status(Msg):
@@ -167,7 +178,7 @@ class Heartbeat(Msg):
     time: float
 
 
-ToInstance = Union[Welcome, AddRequest, Abort, SetWindow, ExportKV, Ping, Shutdown]
+ToInstance = Union[Welcome, AddRequest, Abort, SetWindow, ExportKV, ExpectKV, Ping, Shutdown]
 ToFrontend = Union[Ready, Status, Outputs, Paused, ImportedKV, RequestFailed, Heartbeat]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,10 +1,17 @@
 """What the frontend does with each message from an instance: joins, statuses, outputs, failures, KV arrivals
-(the other direction from `actions.py`)."""
+(the other direction from `actions.py`).
+
+Who says what is checked: news of a request is taken only from the instance that runs it (a KV
+arrival only from the destination that was asked); anything else is dropped and counted. A joining
+instance's KV layout must be the cluster's, and joins by hand are rate-limited.
+"""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
+from dataclasses import dataclass
 
 import zmq.asyncio
 
@@ -18,8 +25,45 @@ from ecoserve.live.shared import Frontend
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What must agree between instances before KV moves between them."""
+
+    block_size: int
+    kv_dtype: str
+    kv_bytes_per_token: int
+
+    @classmethod
+    def of(cls, ready: m.Ready) -> KVLayout:
+        return cls(ready.block_size, ready.kv_dtype, ready.kv_bytes_per_token)
+
+
+class JoinLimiter:
+    """At most `max_joins` joins by hand per `interval_s`; refusals beyond that are logged once per interval."""
+
+    def __init__(self, max_joins: int = 8, interval_s: float = 10.0) -> None:
+        self.max_joins, self.interval_s = max_joins, interval_s
+        self._recent: collections.deque[float] = collections.deque()
+        self._logged_at = float("-inf")
+        self.refused_since_log = 0
+
+    def allow(self, now: float) -> bool:
+        while self._recent and now - self._recent[0] > self.interval_s:
+            self._recent.popleft()
+        if len(self._recent) < self.max_joins:
+            self._recent.append(now)
+            return True
+        self.refused_since_log += 1
+        if now - self._logged_at >= self.interval_s:
+            logger.error("refused %d instance join(s) by hand: more than %d in %.0f s", self.refused_since_log,
+                         self.max_joins, self.interval_s)
+            self._logged_at, self.refused_since_log = now, 0
+        return False
+
+
 class Receiver:
-    """Reads the instances' socket; owns who is expected to join (launched pids) and whom it refused."""
+    """Reads the instances' socket; owns who is expected to join (launched pids), whom it refused, the
+    cluster's KV layout and the messages it rejected for a wrong sender."""
 
     def __init__(self, fe: Frontend, dispatcher: Dispatcher, identity: str, planned: list[int],
                  launched: bool) -> None:
@@ -29,7 +73,10 @@ class Receiver:
         self.planned = planned
         self.launched = launched  # False: instances started by hand fill the planned slots
         self.pid_to_id: dict[int, int] = {}
-        self.refused = 0  # instances refused at connect (version or model mismatch)
+        self.refused = 0  # instances refused at connect (version, model or KV layout mismatch, too many joins)
+        self.rejected = 0  # messages dropped for a wrong sender (news of a request another instance runs)
+        self.layout: KVLayout | None = None  # fixed by the first instance that joins
+        self.joins = JoinLimiter()
         self._handlers = {m.Status: self._status, m.Outputs: self._outputs, m.Paused: self._paused,
                           m.ImportedKV: self._imported, m.RequestFailed: self._failed,
                           m.Heartbeat: lambda h, msg, now: None}
@@ -75,10 +122,17 @@ class Receiver:
             handler(h, msg, now)
 
     # ---- joins -------------------------------------------------------------------------------
-    def _refuse(self, identity: bytes, why: str) -> None:
-        logger.error("refused an instance: %s", why)
+    def _refuse(self, identity: bytes, why: str | None) -> None:
+        """`why` None: already logged (a flood of joins is logged once per interval)."""
+        if why is not None:
+            logger.error("refused an instance: %s", why)
         self.refused += 1
         self.fe.send(InstanceHandle(-1, identity), m.Shutdown())
+
+    def _reject(self, h: InstanceHandle, msg: m.Msg, request_id: str) -> None:
+        self.rejected += 1
+        logger.warning("dropped %s about request %s from instance %d, which does not run it", type(msg).__name__,
+                       request_id, h.instance_id)
 
     def _ready(self, identity: bytes, msg: m.Ready, now: float) -> None:
         fe = self.fe
@@ -88,21 +142,31 @@ class Receiver:
         if msg.model != self.identity:
             self._refuse(identity, f"it serves model {msg.model!r}, this cluster serves {self.identity!r}")
             return
+        layout = KVLayout.of(msg)
+        if self.layout is not None and layout != self.layout:
+            self._refuse(identity, f"its KV layout {layout} is not the cluster's {self.layout}")
+            return
         if fe.board.by_identity(identity) is not None:
             logger.warning("ignored a second ready from instance pid %d", msg.pid)
             return
-        iid = self.pid_to_id.pop(msg.pid, None)
+        iid = self.pid_to_id.get(msg.pid)
         if iid is None and not self.launched:
             iid = next((i for i in self.planned
                         if fe.board[i].state == "starting" and fe.board[i].identity is None), None)
         if iid is None:  # one more, started by hand (`ecoserve instance --connect`)
+            if not self.joins.allow(now):
+                self._refuse(identity, None)
+                return
             iid = fe.board.add(InstanceHandle(fe.board.next_id())).instance_id
+        else:
+            self.pid_to_id.pop(msg.pid, None)
         h = fe.board[iid]
         if h.state != "starting":
             self._refuse(identity, f"instance {iid} is {h.state}")
             return
         h.identity, h.ready, h.pid, h.host, h.last_heard = identity, msg, msg.pid, msg.host, now
         h.state = "ready"
+        self.layout = self.layout or layout
         fe.send(h, m.Welcome(iid))
         logger.info("instance %d joined: pid %d on %s, %d KV tokens%s", iid, msg.pid, msg.host, msg.total_kv_tokens,
                     " (mock)" if msg.mock else "")
@@ -125,8 +189,11 @@ class Receiver:
         touched = {}
         for d in msg.deltas:
             req = fe.requests.get(d.request_id)
-            if req is None or req.instance != h.instance_id:
-                continue  # aborted meanwhile, or a late delta from where it no longer runs
+            if req is None:
+                continue  # aborted meanwhile
+            if req.instance != h.instance_id:  # it runs elsewhere (or it was never here)
+                self._reject(h, msg, d.request_id)
+                continue
             if d.token_ids and req.first_token is None:
                 fe.board.first_token_at[req.request_id] = now
             req.apply(d, now)
@@ -144,8 +211,12 @@ class Receiver:
                 fe.deliver(req)
 
     def _paused(self, h: InstanceHandle, msg: m.Paused, now: float) -> None:
-        if self.fe.requests.get(msg.request_id) is None:
+        req = self.fe.requests.get(msg.request_id)
+        if req is None:
             self.fe.send(h, m.Abort([msg.request_id]))  # nobody will claim its KV
+            return
+        if req.instance != h.instance_id:
+            self._reject(h, msg, msg.request_id)
             return
         self.fe.post(ev.PrefillDone(msg.request_id, h.instance_id, msg.num_tokens))
 
@@ -154,11 +225,18 @@ class Receiver:
         if req is None or req.transfer != msg.transfer_id:
             self.fe.send(h, m.Abort([msg.request_id]))  # nobody will claim it
             return
+        # only the destination that was asked: it holds the request, and it is not the KV's source
+        if msg.request_id not in h.requests or h.instance_id == req.kv_src or msg.src != req.kv_src:
+            self._reject(h, msg, msg.request_id)
+            return
         self.dispatcher.kv_arrived(req, h, msg.src, msg.nbytes)
 
     def _failed(self, h: InstanceHandle, msg: m.RequestFailed, now: float) -> None:
         req = self.fe.requests.get(msg.request_id)
         if req is None:
+            return
+        if msg.request_id not in h.requests:  # it runs the request, or its KV moves through it
+            self._reject(h, msg, msg.request_id)
             return
         logger.error("instance %d failed request %s: %s", h.instance_id, msg.request_id, msg.reason)
         self.fe.fail(req, InstanceLostError(f"instance {h.instance_id} failed the request: {msg.reason}"))

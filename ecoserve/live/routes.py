@@ -67,7 +67,9 @@ class ClusterCollector:
                          ("migrations", "Started streams moved to another instance after theirs was lost."),
                          ("migration_failures", "Started streams that could not move on and ended with an "
                                                 "error."),
-                         ("restarts", "Lost instances restarted by the frontend.")):
+                         ("restarts", "Lost instances restarted by the frontend."),
+                         ("rejected_messages", "Messages dropped for a wrong sender (news of a request another "
+                                               "instance runs).")):
             c = CounterMetricFamily(self.prefix + "cluster_" + key, doc, labels=["model_name"])
             c.add_metric([self.model_name], counters[key])
             yield c

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from ecoserve.config import EngineArgs
 
 if TYPE_CHECKING:  # the frontend imports the engine (torch); `ecoserve instance` must not need it
     from ecoserve.engine.async_engine import ModelFacts
+    from ecoserve.live.auth import ClusterAuth
     from ecoserve.live.frontend import ClusterEngine
     from ecoserve.live.shared import FrontendOptions
 
@@ -38,6 +40,8 @@ class LiveCluster:
     ray_num_cpus: float = 1.0
     ray_num_gpus: float = 0.0
     instance_log_dir: str | None = None
+    cluster_auth: str = "curve"  # | "none"
+    cluster_key_dir: str | None = None  # None: a fresh key set per run
 
     def options(self, ttft_slo: float, tpot_slo: float, max_num_batched_tokens: int) -> ControllerOptions:
         extra = dict(self.controller)
@@ -66,16 +70,39 @@ def build_cluster(model: ModelFacts, spec: LiveCluster, options: ControllerOptio
     def factory(step_time, status_of):
         return build_controller(spec.strategy, options, clock, step_time, statuses=status_of)
 
+    if spec.launcher not in ("local", "ray"):
+        raise ValueError(f"--launcher must be 'local' or 'ray', got {spec.launcher!r}")
+    auth, key_dir, owns_key_dir = cluster_keys(spec)
     if spec.launcher == "ray":
         from ecoserve.live.launchers import RayLauncher
-        launcher = RayLauncher(args_for, spec.ray_address, spec.ray_num_cpus, spec.ray_num_gpus)
-    elif spec.launcher == "local":
+        launcher = RayLauncher(args_for, spec.ray_address, spec.ray_num_cpus, spec.ray_num_gpus, auth=auth)
+    else:
         from ecoserve.live.launchers import LocalLauncher
         env = {"OMP_NUM_THREADS": str(num_threads)} if num_threads else {}
-        launcher = LocalLauncher(args_for, env, spec.instance_log_dir)
-    else:
-        raise ValueError(f"--launcher must be 'local' or 'ray', got {spec.launcher!r}")
-    return ClusterEngine(model, factory, sorted(setups), launcher, frontend or FrontendOptions(), identity=identity)
+        launcher = LocalLauncher(args_for, env, spec.instance_log_dir, key_dir, owns_key_dir)
+    fe_options = dataclasses.replace(frontend or FrontendOptions(), auth=auth)
+    return ClusterEngine(model, factory, sorted(setups), launcher, fe_options, identity=identity)
+
+
+def cluster_keys(spec: LiveCluster) -> tuple[ClusterAuth | None, str | None, bool]:
+    """The key set of a run: (keys, the directory local instances read them from, whether it is a temporary one).
+
+    `--cluster-key-dir` names one; otherwise a fresh set (Ray: in memory; local: in a private temporary
+    directory, mode 0700, that the launcher removes at shutdown)."""
+    from ecoserve.live import auth
+
+    if spec.cluster_auth == "none":
+        logger.warning("--cluster-auth none: instances join unauthenticated and prompts, outputs and KV cross the "
+                       "network in the clear; use it only to debug on one machine")
+        return None, None, False
+    if spec.cluster_auth != "curve":
+        raise ValueError(f"--cluster-auth must be 'curve' or 'none', got {spec.cluster_auth!r}")
+    if spec.cluster_key_dir:
+        return auth.load(spec.cluster_key_dir), spec.cluster_key_dir, False
+    if spec.launcher == "ray":
+        return auth.new_key_set(), None, False
+    key_dir = tempfile.mkdtemp(prefix="ecoserve-keys-")  # mode 0700
+    return auth.generate(key_dir), key_dir, True
 
 
 def _pd(text: str) -> tuple[int, int]:
@@ -122,6 +149,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-profile", default=None, metavar="FILE",
                    help="instances run no model: they sleep this tokens,ms profile's step time")
     g.add_argument("--instance-log-dir", default=None)
+    g.add_argument("--cluster-auth", default="curve", choices=["curve", "none"],
+                   help="CURVE on every frontend<->instance and KV connection (default, loopback too), or none "
+                        "to debug on one machine")
+    g.add_argument("--cluster-key-dir", default=None, metavar="DIR",
+                   help="the cluster's key set (`ecoserve keys generate DIR`); default: a fresh set per run")
 
 
 def cluster_from_args(args: argparse.Namespace, engine_args: list[str]) -> tuple[LiveCluster, ControllerOptions]:
@@ -141,7 +173,8 @@ def cluster_from_args(args: argparse.Namespace, engine_args: list[str]) -> tuple
     if args.mock_profile:
         instance_args += ["--mock-profile", args.mock_profile]
     spec = LiveCluster(args.strategy, args.num_instances, args.num_free_instances, ctrl, tuple(instance_args),
-                       args.launcher, args.ray_address, instance_log_dir=args.instance_log_dir)
+                       args.launcher, args.ray_address, instance_log_dir=args.instance_log_dir,
+                       cluster_auth=args.cluster_auth, cluster_key_dir=args.cluster_key_dir)
     return spec, spec.options(args.slo_ttft, args.slo_tpot, args.max_num_batched_tokens)
 
 

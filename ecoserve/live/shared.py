@@ -10,6 +10,7 @@ from typing import Any, Callable, Protocol
 
 from ecoserve.cluster import events as ev
 from ecoserve.live import messages as m
+from ecoserve.live.auth import ClusterAuth
 from ecoserve.live.board import InstanceBoard, InstanceHandle
 from ecoserve.live.requests import LiveRequest
 
@@ -27,6 +28,7 @@ class FrontendOptions:
     restart_backoff_s: float = 1.0  # a lost launched instance is restarted after this, doubling per restart
     max_restarts: int = 5  # restarts per instance (0: lost instances stay lost)
     lost_grace_s: float = 60.0  # a lost instance that will not be restarted leaves the board after this
+    auth: ClusterAuth | None = None  # the cluster's CURVE keys; None: unauthenticated (`--cluster-auth none`)
 
 
 class Frontend(Protocol):

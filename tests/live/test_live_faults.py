@@ -195,7 +195,7 @@ def test_instance_exits_when_the_frontend_dies(tiny_model, profile):
     port = router.bind_to_random_port("tcp://127.0.0.1")
     proc = subprocess.Popen(instance_command(f"tcp://127.0.0.1:{port}",
                                              mock_args(tiny_model, profile, "prefill_first",
-                                                       "--frontend-timeout", "2")),
+                                                       "--reconnect-window", "2", "--cluster-auth", "none")),
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         assert router.poll(60000), "the instance did not connect"
@@ -214,11 +214,11 @@ def test_instance_exits_when_the_frontend_dies(tiny_model, profile):
 
 def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_stall(tiny_model, tmp_path):
     """A 3-s prompt step (a one-thread CPU instance's 2048-token step takes seconds) beats no heartbeat
-    for longer than the 0.5-s timeout and hears no ping for longer than its 2-s frontend timeout:
+    for longer than the 0.5-s timeout and reads nothing for longer than its 2-s reconnection window:
     neither side may take that for a death."""
     slow = write_profile(tmp_path / "slow.csv", [(1, 20.0), (4, 25.0), (8, 3000.0), (512, 3000.0)])
     running = start_cluster(tiny_model, lambda step_time, status_of: FakeNoDG([0], status_of), 1,
-                            lambda iid: mock_args(tiny_model, slow, "prefill_first", "--frontend-timeout", "2"),
+                            lambda iid: mock_args(tiny_model, slow, "prefill_first", "--reconnect-window", "2"),
                             options=FrontendOptions(request_timeout_s=DEADLINE_S, heartbeat_timeout_s=0.5))
     try:
         call = Call(running.url, stream=False, max_tokens=3)

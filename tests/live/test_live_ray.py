@@ -16,6 +16,9 @@ def test_ray_launcher_serves_and_shuts_down(tiny_model, tmp_path):
         assert ray.is_initialized()
         instances = running.cluster()
         assert [i["state"] for i in instances] == ["ready", "ready"]
+        assert running.engine.opts.auth is not None  # the key set reached the actors in memory
+        node_ip = ray.util.get_node_ip_address()
+        assert all(h.ready.kv_address.startswith(f"tcp://{node_ip}:") for h in running.engine.board.instances.values())
         r = httpx.post(f"{running.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
