@@ -71,7 +71,9 @@ class LocalLauncher:
             out = open(os.path.join(self.log_dir, f"instance-{instance_id}.log"), "ab")
         proc = subprocess.Popen(instance_command(connect, [*self.args_for(instance_id), *self._auth_args()]),
                                 env=self.env,
-                                stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL)
+                                stdout=out, stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
+                                # a terminal's Ctrl-C reaches the frontend alone, which drains and then stops them
+                                start_new_session=True)
         self.procs[instance_id] = proc
         logger.info("started instance %d as pid %d", instance_id, proc.pid)
         return proc.pid
