@@ -301,17 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen(serve_cmd(a, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        wait_health(url, server, 300.0)
+        wait_health(url, server, 300.0, out / "server.log")
         summary = asyncio.run(main_async(a, url))
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        finally:  # the instances share its process group; a stopped one ignores SIGTERM
-            try:
-                os.killpg(server.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop(server)
     summary["command"] = " ".join(["python", "scripts/chaos_cluster.py", *(argv if argv is not None else sys.argv[1:])])
     (out / "chaos.json").write_text(json.dumps(summary, indent=2))
     print(table(summary))
@@ -320,13 +313,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def wait_health(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM: the frontend shuts its instances down; then SIGKILL whatever is left of its process group."""
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def wait_health(url: str, server: subprocess.Popen, timeout_s: float, log: Path) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode}; see its log")
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            raise RuntimeError(f"the server exited with code {server.returncode}:\n{tail}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5):
                 return

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.live.conftest import INSTANCE_ARGS
+from tests.live.conftest import MAX_MODEL_LEN
 
+SERVE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "128", "--max-num-batched-tokens", "512"]
 SCRIPT = Path(__file__).parents[2] / "scripts" / "chaos_cluster.py"
 
 
@@ -17,8 +18,9 @@ def test_chaos_run_loses_nothing_and_recovers(tiny_model, tmp_path):
     out = tmp_path / "chaos"
     cmd = [sys.executable, str(SCRIPT), "--model", tiny_model, "--duration", "30", "--calm-duration", "5",
            "--fault-interval", "3", "--concurrency", "4", "--max-tokens", "24", "--request-deadline", "90",
-           "--seed", "7", "--out", str(out), *(f"--serve-arg={a}" for a in INSTANCE_ARGS[2:])]
+           "--seed", "7", "--out", str(out), *(f"--serve-arg={a}" for a in SERVE_ARGS)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert (out / "chaos.json").exists(), f"the chaos run failed:\n{run.stdout}\n{run.stderr[-3000:]}"
     summary = json.loads((out / "chaos.json").read_text())
     detail = f"{run.stdout}\n{run.stderr[-3000:]}\n{json.dumps(summary, indent=1)[:3000]}"
     assert summary["faults"] >= 2, detail
