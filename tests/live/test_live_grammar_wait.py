@@ -44,7 +44,7 @@ def rig(tmp_path_factory):
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     loop = InstanceLoop(RealEngine(engine), InstanceOptions(f"tcp://127.0.0.1:{port}", heartbeat_s=0.1,
-                                                            frontend_timeout_s=DEADLINE_S), [])
+                                                            reconnect_window_s=DEADLINE_S), [])
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("rc", loop.run()), daemon=True)
     thread.start()
@@ -102,7 +102,7 @@ def test_a_decode_leg_continues_its_grammar_once_compiled(rig):
     engine.grammar_compile_timeout_s = DEADLINE_S  # read when the request is added: no deadline race here
     carried = engine.tokenizer.encode("ab")
     router.send_multipart([ident, m.encode(m.AddRequest(3, "leg", [5, 6, 7, *carried], regex_params(LEG),
-                                                        num_output_tokens=len(carried)))])
+                                                        num_output_tokens=len(carried), num_output_chars=len("ab")))])
     msgs = receive_until(router, ident, lambda msgs: sum(isinstance(x, m.Heartbeat) for x in msgs) >= 3)
     assert not any(isinstance(x, m.Outputs) for x in msgs)  # waiting for its grammar: nothing decoded yet
     gates[LEG].set()
