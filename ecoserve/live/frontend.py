@@ -268,13 +268,15 @@ class ClusterEngine:
 
     def send(self, h: InstanceHandle, msg: m.Msg) -> None:
         """Queue a message to an instance (never blocks: zero HWM); only a peer that is gone is lost."""
-        try:
-            self.sock.send_multipart([h.identity, m.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:  # not the peer's fault (e.g. EAGAIN): its heartbeat deadline decides
-                logger.error("a %s to instance %d could not be queued: %s", type(msg).__name__, h.instance_id, e)
-            elif h.state != "lost":
-                self.health.lose(h, f"its connection is gone ({e})")
+        # a non-blocking send on the asyncio socket resolves at once: its error is on the future, not raised
+        sent = self.sock.send_multipart([h.identity, m.encode(msg)], flags=zmq.NOBLOCK)
+        e = sent.exception() if sent.done() else None
+        if e is None:
+            return
+        if not isinstance(e, zmq.ZMQError) or e.errno != zmq.EHOSTUNREACH:  # not the peer's fault
+            logger.error("a %s to instance %d could not be queued: %s", type(msg).__name__, h.instance_id, e)
+        elif self.board.instances.get(h.instance_id) is h and h.state != "lost":
+            self.health.lose(h, f"its connection is gone ({e})")
 
     def call_later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
         self._loop.call_later(delay_s, fn, *args)
