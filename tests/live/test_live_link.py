@@ -34,9 +34,12 @@ def profile(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny_model, profile):
     running = start_strategy(tiny_model, "vllm", 1, mock_args(tiny_model, profile))
-    assert running.engine.opts.auth is not None  # CURVE by default
+    assert running.engine.opts.auth is not None  # CURVE by default, with a fresh key set per run
+    key_dir = running.engine.launcher.key_dir
+    assert os.stat(key_dir).st_mode & 0o777 == 0o700
     yield running
     running.stop()
+    assert not os.path.exists(key_dir)  # removed at shutdown
 
 
 def _generate(fe, rid: str, max_tokens: int):
