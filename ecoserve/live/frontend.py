@@ -41,6 +41,8 @@ from ecoserve.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+UNREACHABLE_GRACE_S = 1.0  # a send found the instance's connection gone: lost this long after, unless already
+
 # (prefill step time of n tokens, the board's status reader) -> a ClusterController
 ControllerFactory = Callable[[Callable[[int], float], Callable[[int], Any]], Any]
 
@@ -69,6 +71,7 @@ class ClusterEngine:
         self._ctx: zmq.asyncio.Context | None = None
         self.sock: zmq.asyncio.Socket | None = None
         self._authenticator: ThreadAuthenticator | None = None
+        self._unreachable: set[int] = set()  # instances a send found gone: lost after a grace
         self.address: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._early: list[ev.Event] = []  # joins and arrivals before the controller exists
@@ -275,8 +278,16 @@ class ClusterEngine:
             return
         if not isinstance(e, zmq.ZMQError) or e.errno != zmq.EHOSTUNREACH:  # not the peer's fault
             logger.error("a %s to instance %d could not be queued: %s", type(msg).__name__, h.instance_id, e)
-        elif self.board.instances.get(h.instance_id) is h and h.state != "lost":
-            self.health.lose(h, f"its connection is gone ({e})")
+        elif self.board.instances.get(h.instance_id) is h and h.state != "lost" \
+                and h.instance_id not in self._unreachable:
+            # after a short grace, so that a process that is exiting is seen to exit (with its code) first
+            self._unreachable.add(h.instance_id)
+            self.call_later(UNREACHABLE_GRACE_S, self._lose_unreachable, h, f"its connection is gone ({e})")
+
+    def _lose_unreachable(self, h: InstanceHandle, reason: str) -> None:
+        self._unreachable.discard(h.instance_id)
+        if h.state != "lost":
+            self.health.lose(h, reason)
 
     def call_later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
         self._loop.call_later(delay_s, fn, *args)
