@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-import zmq
 
 from ecoserve.live import auth as cluster_auth
 from ecoserve.live import messages as m
