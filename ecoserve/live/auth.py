@@ -91,7 +91,8 @@ class _AdmittedKeys:
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
-        logger.warning("refused a CURVE client whose key is not the cluster's (%s...)", key[:8].decode(errors="replace"))
+        logger.warning("refused a CURVE client whose key is not the cluster's (%s...)",
+                       key[:8].decode(errors="replace"))
         return False
 
 

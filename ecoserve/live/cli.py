@@ -51,9 +51,11 @@ def run_instance(args: argparse.Namespace) -> int:
         opts = InstanceOptions(args.connect, args.kv_host, args.heartbeat_interval,
                                reconnect_window_s=args.reconnect_window, kv_send_timeout_s=args.kv_send_timeout,
                                auth=auth)
-        return InstanceLoop(engine, opts, profile).run()
-    finally:
+        loop = InstanceLoop(engine, opts, profile)
+    except BaseException:
         engine.close()
+        raise
+    return loop.run()  # it closes the engine (a parallel instance's ranks) before its connection
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -45,6 +45,8 @@ from ecoserve.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+UNREACHABLE_GRACE_S = 1.0  # a send found the instance's connection gone: lost this long after, unless already
+
 # (prefill step time of n tokens, the board's status reader) -> a ClusterController
 ControllerFactory = Callable[[Callable[[int], float], Callable[[int], Any]], Any]
 MAX_DRAIN = 100_000  # messages one drain of the socket handles at most
@@ -117,6 +119,7 @@ class ClusterEngine:
         self.sock: zmq.asyncio.Socket | None = None
         self._drain_sock: zmq.Socket | None = None  # a blocking view of `sock`, to read what is queued now
         self._authenticator: ThreadAuthenticator | None = None
+        self._unreachable: set[int] = set()  # instances a send found gone: lost after a grace
         self.address: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._early: list[ev.Event] = []  # joins and arrivals before the controller exists
@@ -321,13 +324,23 @@ class ClusterEngine:
 
     def send(self, h: InstanceHandle, msg: m.Msg) -> None:
         """Queue a message to an instance (never blocks: zero HWM); only a peer that is gone is lost."""
-        try:
-            self.sock.send_multipart([h.identity, m.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:  # not the peer's fault (e.g. EAGAIN): its heartbeat deadline decides
-                logger.error("a %s to instance %d could not be queued: %s", type(msg).__name__, h.instance_id, e)
-            elif h.state != "lost":
-                self.health.lose(h, f"its connection is gone ({e})")
+        # a non-blocking send on the asyncio socket resolves at once: its error is on the future, not raised
+        sent = self.sock.send_multipart([h.identity, m.encode(msg)], flags=zmq.NOBLOCK)
+        e = sent.exception() if sent.done() else None
+        if e is None:
+            return
+        if not isinstance(e, zmq.ZMQError) or e.errno != zmq.EHOSTUNREACH:  # not the peer's fault
+            logger.error("a %s to instance %d could not be queued: %s", type(msg).__name__, h.instance_id, e)
+        elif self.board.instances.get(h.instance_id) is h and h.state != "lost" \
+                and h.instance_id not in self._unreachable:
+            # after a short grace, so that a process that is exiting is seen to exit (with its code) first
+            self._unreachable.add(h.instance_id)
+            self.call_later(UNREACHABLE_GRACE_S, self._lose_unreachable, h, f"its connection is gone ({e})")
+
+    def _lose_unreachable(self, h: InstanceHandle, reason: str) -> None:
+        self._unreachable.discard(h.instance_id)
+        if h.state != "lost":
+            self.health.lose(h, reason)
 
     def drain(self) -> int:
         """Handle every message already queued on the instances' socket, as the receiver would."""

@@ -182,12 +182,17 @@ class InstanceLoop:
         return StepTimeTable(self.profile).ms(budget) if self.profile else 0.0
 
     def run(self) -> int:
-        """Serve until told to shut down (0), the frontend is gone (3) or the engine failed (ENGINE_DEAD)."""
+        """Serve until told to shut down (0), the frontend is gone (3) or the engine failed (ENGINE_DEAD);
+        the engine is closed on the way out."""
         try:
             if not self._hello():
                 return 1
             return self._loop()
         finally:
+            try:  # first: the connection stays up until little is left before this process exits
+                self.engine.close()
+            except Exception:
+                logger.exception("closing the engine failed")
             self.sender.close(self.opts.kv_send_timeout_s + 1.0)
             self.kv.close()
             self.link.close()

@@ -55,7 +55,8 @@ _header_decoder = msgspec.msgpack.Decoder(KVHeader)
 
 def check_transfer(header: KVHeader, buffers: list[memoryview], expected: KVExpectation | None,
                    frame_sizes: list[int]) -> str | None:
-    """Why a transfer must be refused (None: accept it). `frame_sizes`: what the expected blocks need, frame by frame."""
+    """Why a transfer must be refused (None: accept it); `frame_sizes`: what the expected blocks need, frame by
+    frame. Nothing is allocated before this says yes."""
     if expected is None:
         return f"no transfer of request {header.request_id!r} is expected here"
     if header.transfer_id != expected.transfer_id or header.src != expected.src:

@@ -149,7 +149,7 @@ class Receiver:
         if fe.board.by_identity(identity) is not None:
             logger.warning("ignored a second ready from instance pid %d", msg.pid)
             return
-        iid = self.pid_to_id.get(msg.pid)
+        iid = self.pid_to_id.pop(msg.pid, None)
         if iid is None and not self.launched:
             iid = next((i for i in self.planned
                         if fe.board[i].state == "starting" and fe.board[i].identity is None), None)
@@ -158,8 +158,6 @@ class Receiver:
                 self._refuse(identity, None)
                 return
             iid = fe.board.add(InstanceHandle(fe.board.next_id())).instance_id
-        else:
-            self.pid_to_id.pop(msg.pid, None)
         h = fe.board[iid]
         if h.state != "starting":
             self._refuse(identity, f"instance {iid} is {h.state}")

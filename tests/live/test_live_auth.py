@@ -174,3 +174,29 @@ def test_mismatched_auth_exits_with_a_clear_error(cluster, tiny_model, profile, 
                 proc.kill()
         plain.close()
     assert cluster.engine.board[0].state == "ready"
+
+
+def test_flood_of_keyed_readys_is_rate_limited(cluster, key_dir):
+    """20 joins by hand at once: at most 8 are welcomed (the board grows by at most 8), the rest refused."""
+    fe = cluster.engine
+    size, refused = len(fe.board.instances), fe.counters["refused_instances"]
+    keys = cluster_auth.load(key_dir)
+    ctx = zmq.Context()
+    socks = [dealer(ctx, fe.address, keys) for _ in range(20)]
+    try:
+        for i, sock in enumerate(socks):
+            sock.send(m.encode(msgspec.structs.replace(fe.board[0].ready, pid=100 + i)))
+        answers = []
+        for sock in socks:
+            assert sock.poll(10000), "a join went unanswered"
+            answers.append(type(m.decode_to_instance(sock.recv())))
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+    welcomed = answers.count(m.Welcome)
+    assert welcomed <= 8 and answers.count(m.Shutdown) == 20 - welcomed
+    assert len(fe.board.instances) <= size + 8
+    assert fe.counters["refused_instances"] == refused + 20 - welcomed
+    outs = _generate(fe, "after-flood", 3).result(DEADLINE_S)
+    assert outs[-1].outputs[0].num_tokens == 3

@@ -202,6 +202,8 @@ def test_instance_exits_when_the_frontend_dies(tiny_model, profile):
         identity, frame = router.recv_multipart()
         assert isinstance(m.decode_to_frontend(frame), m.Ready)
         router.send_multipart([identity, m.encode(m.Welcome(0))])
+        while not isinstance(m.decode_to_frontend(router.recv_multipart()[1]), m.Status):  # it has joined
+            assert router.poll(30000), "the instance did not start its loop"
         router.close(0)  # the frontend is gone
         t0 = time.monotonic()
         assert proc.wait(timeout=15) == 3
