@@ -42,7 +42,8 @@ def cluster(tiny_model):
     from ecoserve.live.serve import LiveCluster, build_cluster
 
     spec = LiveCluster("vllm", NUM_INSTANCES, instance_args=tuple(engine_args(tiny_model)))
-    options = FrontendOptions(request_timeout_s=DEADLINE_S, max_migrations=1)
+    # restarts off: the survivors must carry the moved streams, and each kill leaves one instance fewer
+    options = FrontendOptions(request_timeout_s=DEADLINE_S, max_migrations=1, max_restarts=0)
     running = serve(build_cluster(model_facts(tiny_model), spec, spec.options(2.0, 0.5, 512), options))
     yield running
     running.stop()
@@ -225,7 +226,7 @@ def fudg(tiny_model):
     from ecoserve.live.serve import LiveCluster, build_cluster
 
     spec = LiveCluster("distserve", 3, controller={"pd": (1, 2)}, instance_args=tuple(engine_args(tiny_model)))
-    options = FrontendOptions(request_timeout_s=DEADLINE_S)
+    options = FrontendOptions(request_timeout_s=DEADLINE_S, max_restarts=0)
     running = serve(build_cluster(model_facts(tiny_model), spec, spec.options(2.0, 0.5, 512), options))
     yield running
     running.stop()

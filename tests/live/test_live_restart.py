@@ -275,7 +275,7 @@ def test_a_lost_hand_started_instance_is_not_restarted_and_leaves_the_board(tiny
                        None, FrontendOptions(bind=address, request_timeout_s=DEADLINE_S, lost_grace_s=2.0))
 
     def by_hand():
-        return subprocess.Popen(instance_command(address, mock_args(tiny_model, profile)),
+        return subprocess.Popen(instance_command(address, [*mock_args(tiny_model, profile), "--cluster-auth", "none"]),
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     procs = [by_hand()]
