@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_cluster import free_port  # noqa: E402 (a script beside this one)
+from validate_sim import wait_ready  # noqa: E402
 
 CLI = [sys.executable, "-m", "ecoserve.cli"]
 PROMPTS = [
@@ -73,12 +76,6 @@ class Fault:
 class Run:
     results: list[Result] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def payload(key: str, model: str, max_tokens: int) -> dict:
@@ -301,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen(serve_cmd(a, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        wait_health(url, server, 300.0, out / "server.log")
+        wait_ready(port, server, 300.0, path="/health")
         summary = asyncio.run(main_async(a, url))
     finally:
         stop(server)
@@ -325,22 +322,6 @@ def stop(server: subprocess.Popen) -> None:
         os.killpg(server.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def wait_health(url: str, server: subprocess.Popen, timeout_s: float, log: Path) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            tail = log.read_text()[-2000:] if log.exists() else ""
-            raise RuntimeError(f"the server exited with code {server.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"the cluster was not healthy within {timeout_s:.0f} s")
 
 
 if __name__ == "__main__":

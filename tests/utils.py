@@ -6,9 +6,11 @@ Keep this API stable: other test packages import it.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +335,25 @@ def serve_in_thread(app, timeout: float = 30.0):
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.02)
     return f"http://127.0.0.1:{port}", server, thread
+
+
+async def stream_gaps(url: str, started: asyncio.Event, prompt: str = "the stream",
+                      max_tokens: int = 200) -> list[float]:
+    """The gaps between the events of a greedy streaming completion, from its first event on; `started` is set
+    at the first event."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    gaps, last = [], None
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                started.set()
+    return gaps

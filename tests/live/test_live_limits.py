@@ -3,12 +3,12 @@ context get their 413/400 at once, a running stream's inter-token gaps stay boun
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from tests.live.conftest import MAX_MODEL_LEN, mock_args, start_strategy, write_profile
+from tests.utils import stream_gaps
 
 PROFILE = [(1, 8.0), (16, 12.0), (64, 25.0), (256, 60.0), (512, 110.0)]
 
@@ -21,22 +21,6 @@ def cluster(tiny_model, tmp_path_factory):
     running.stop()
 
 
-async def _stream_gaps(url: str, started: asyncio.Event) -> list[float]:
-    body = {"prompt": "a stream", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-    gaps, last = [], None
-    async with httpx.AsyncClient(timeout=120) as client:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.monotonic()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-                started.set()
-    return gaps
-
 
 def test_oversized_requests_do_not_stall_the_cluster(cluster):
     url = cluster.url
@@ -45,7 +29,7 @@ def test_oversized_requests_do_not_stall_the_cluster(cluster):
 
     async def run() -> tuple[list[float], list[httpx.Response]]:
         started = asyncio.Event()
-        stream = asyncio.create_task(_stream_gaps(url, started))
+        stream = asyncio.create_task(stream_gaps(url, started))
         await asyncio.wait_for(started.wait(), 60)
         answers = []
         async with httpx.AsyncClient(timeout=60) as client:

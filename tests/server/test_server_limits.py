@@ -14,6 +14,7 @@ from ecoserve.sampling import SEED_MAX, SEED_MIN
 from ecoserve.server import protocol as P
 from ecoserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 from tests.server.conftest import MAX_MODEL_LEN, start_server, wait_idle
+from tests.utils import stream_gaps
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
@@ -131,22 +132,6 @@ def test_a_body_under_the_limit_is_read_whole(server):
     assert r.json()["count"] > MAX_MODEL_LEN
 
 
-async def _stream_gaps(url: str, started: asyncio.Event) -> list[float]:
-    """The gaps between the events of a greedy stream, from its first event on."""
-    body = {"prompt": "the stream", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
-    gaps, last = [], None
-    async with httpx.AsyncClient(timeout=120) as client:
-        async with client.stream("POST", f"{url}{CMPL}", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.monotonic()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-                started.set()
-    return gaps
-
 
 def test_a_10x_prompt_is_refused_without_blocking_other_streams(server):
     """Prompts far past the context (tokenized with truncation, or refused by length before tokenizing) get
@@ -157,7 +142,7 @@ def test_a_10x_prompt_is_refused_without_blocking_other_streams(server):
 
     async def run() -> tuple[list[float], list[httpx.Response]]:
         started = asyncio.Event()
-        stream = asyncio.create_task(_stream_gaps(url, started))
+        stream = asyncio.create_task(stream_gaps(url, started))
         await asyncio.wait_for(started.wait(), 60)
         answers = []
         async with httpx.AsyncClient(timeout=120) as client:
