@@ -54,6 +54,7 @@ class HealthWatch:
 
     async def run(self) -> None:
         last_ping = 0.0
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             now = time.monotonic()
