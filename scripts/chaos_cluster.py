@@ -153,7 +153,7 @@ async def load(session, url: str, a: argparse.Namespace, keys: list[str], until:
 async def faults(session, url: str, a: argparse.Namespace, until: float, run: Run, rng: random.Random) -> None:
     """Wait for full strength, wait the interval, hit a random ready instance; record the recovery time."""
     while time.monotonic() < until:
-        await asyncio.sleep(a.fault_interval * rng.uniform(0.5, 1.5))
+        await asyncio.sleep(min(a.fault_interval * rng.uniform(0.5, 1.5), max(until - time.monotonic(), 0.0)))
         if time.monotonic() >= until:
             return
         ready = [i for i in (await cluster_state(session, url))["instances"] if i["state"] == "ready" and i["pid"]]
@@ -224,6 +224,7 @@ def summarize(a: argparse.Namespace, reference: dict[str, str], calm: Run, chaos
     failed = [r for r in res if not r.finished and r.error is not None]
     lost = [r for r in res if not r.finished and r.error is None]
     migrated = [r for r in completed if f"{r.request_id}-0" in migrated_ids]
+    mismatched_migrated = [r for r in migrated if r.text != reference[r.key]]
     extra = [r.e2e - statistics.median(calm_e2e[r.key]) for r in migrated if r.key in calm_e2e]
     recovery = [f.ready_after_s for f in chaos.faults if f.ready_after_s is not None]
     counters = state.get("counters", {})
@@ -234,7 +235,7 @@ def summarize(a: argparse.Namespace, reference: dict[str, str], calm: Run, chaos
         "sigstop": sum(f.kind == "SIGSTOP" for f in chaos.faults),
         "requests": len(res), "accepted": sum(r.accepted for r in res), "completed": len(completed),
         "migrated": len(migrated), "failed_with_error": len(failed), "lost": len(lost),
-        "mismatched": len(mismatched),
+        "mismatched": len(mismatched), "mismatched_migrated": len(mismatched_migrated),
         "migration_extra_latency_p50_s": percentile(extra, 50), "migration_extra_latency_p99_s": percentile(extra, 99),
         "recovery_s_p50": percentile(recovery, 50), "recovery_s_max": max(recovery) if recovery else None,
         "unrecovered_faults": sum(f.ready_after_s is None for f in chaos.faults), "recovered_at_end": recovered,
@@ -253,7 +254,8 @@ def table(s: dict) -> str:
     rows = [("faults (SIGKILL / SIGSTOP)", f"{s['faults']} ({s['sigkill']} / {s['sigstop']})"),
             ("requests accepted", s["accepted"]), ("completed", s["completed"]), ("migrated", s["migrated"]),
             ("failed with an error", s["failed_with_error"]), ("lost", s["lost"]),
-            ("outputs unequal to the fault-free run", s["mismatched"]),
+            ("outputs unequal to the fault-free run (of them migrated)",
+             f"{s['mismatched']} ({s['mismatched_migrated']})"),
             ("migration extra latency p50 / p99 (s)",
              f"{fmt(s['migration_extra_latency_p50_s'])} / {fmt(s['migration_extra_latency_p99_s'])}"),
             ("fault to N ready, p50 / max (s)", f"{fmt(s['recovery_s_p50'])} / {fmt(s['recovery_s_max'])}"),

@@ -26,6 +26,10 @@ class Readout:
     def views(self) -> list:
         return []
 
+    @property
+    def recent_migrations(self) -> list[dict]:
+        return []
+
     def scale_by_hand(self, macro: int, delta: int) -> list[dict]:
         self.scaled.append((macro, delta))
         return [{"action": "add", "macro": macro}]
