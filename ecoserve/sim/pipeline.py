@@ -10,6 +10,7 @@ TD-Pipe and a TP instance all run through the same scheduler and policy code as 
 """
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -81,6 +82,12 @@ class PipelineRun:
     num_batches: int
     num_preemptions: int
     stage_busy: list[float] = field(default_factory=list)
+    batch_seqs: list[int] = field(default_factory=list, repr=False)  # sequences in each batch, in submission order
+
+    @property
+    def median_batch_seqs(self) -> float:
+        """How full the batches were: one scheduler's stragglers show here, not in the mean."""
+        return statistics.median(self.batch_seqs) if self.batch_seqs else 0.0
 
     @property
     def throughput(self) -> float:
@@ -124,6 +131,7 @@ class PipelineInstance:
         self.stage_busy = [0.0] * perf.pp
         self.engine_of: dict[str, int] = {}  # request id -> the scheduler that owns it
         self._next_engine = 0  # the turn: which scheduler is asked first for the next batch
+        self.batch_seqs: list[int] = []
 
     @property
     def sched(self) -> Scheduler:
@@ -141,6 +149,7 @@ class PipelineInstance:
         out = self.engines[engine].schedule()
         if out.is_empty:
             return None
+        self.batch_seqs.append(len(out.chunks))
         result = self.executor.execute(out)
         work = batch_work(out)
         d, hop = self.perf.stage_time(work), self.perf.send_time(work.num_tokens)
@@ -200,4 +209,5 @@ class PipelineInstance:
             elif self._unfinished():
                 raise RuntimeError("the scheduler stalled with requests left and nothing in flight")
         return PipelineRun(self.clock.now(), finished, output_tokens, batches,
-                           sum(e.num_preemptions_total for e in self.engines), list(self.stage_busy))
+                           sum(e.num_preemptions_total for e in self.engines), list(self.stage_busy),
+                           list(self.batch_seqs))

@@ -90,7 +90,8 @@ def tdpipe(out: Path, num_requests: int = 5000, seed: int = 0) -> dict:
                     "num_requests": num_requests, "dataset": "sharegpt (input <= 1024, input + output <= 2048)",
                     "profile": DEFAULT_PROFILE.name},
         "runs": {k: {"makespan_s": r.makespan, "num_finished": r.num_finished, "output_tokens": r.output_tokens,
-                     "num_batches": r.num_batches, "num_preemptions": r.num_preemptions,
+                     "num_batches": r.num_batches, "median_batch_seqs": r.median_batch_seqs,
+                     "num_preemptions": r.num_preemptions,
                      "stage_utilisation": [b / r.makespan for b in r.stage_busy]} for k, r in runs.items()},
     }
     out.mkdir(parents=True, exist_ok=True)

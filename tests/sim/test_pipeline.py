@@ -172,6 +172,8 @@ def test_virtual_engines_fill_the_pipeline_where_one_scheduler_cannot():
     assert single.num_finished == engines.num_finished == 8
     assert single.output_tokens == engines.output_tokens == 8 * 40
     assert engines.num_batches == 4 * single.num_batches
+    assert len(single.batch_seqs) == single.num_batches and single.median_batch_seqs == 8
+    assert engines.median_batch_seqs == 2
     assert engines.makespan < 0.6 * single.makespan
     assert engines.stage_busy[0] / engines.makespan > 1.5 * single.stage_busy[0] / single.makespan
 
