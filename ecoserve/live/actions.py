@@ -171,10 +171,8 @@ class Dispatcher:
         h.held = isinstance(a, ev.HoldOutput)
         if not h.held:
             for req in list(self.fe.requests.values()):
-                if req.instance == a.instance_id and req.held:
-                    for o in req.held:
-                        req.outputs.put_nowait(o)
-                    req.held.clear()
+                if req.instance == a.instance_id:
+                    self.fe.release(req)
 
     def scale(self, a: ev.Scale) -> None:
         """A mitosis step: the controller's topology already shows it (/cluster reads it from there)."""

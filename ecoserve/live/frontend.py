@@ -395,12 +395,17 @@ class ClusterEngine:
         if h is not None and h.held and not out.finished:
             req.held.append(out)
             return
-        for o in req.held:
-            req.outputs.put_nowait(o)
+        self._hand_out(req, [*req.held, out])
+
+    def release(self, req: LiveRequest) -> None:
+        if req.held:
+            self._hand_out(req, list(req.held))
+
+    def _hand_out(self, req: LiveRequest, outputs: list[RequestOutput]) -> None:
         req.held.clear()
-        req.outputs.put_nowait(out)
+        req.hand_out(outputs, time.monotonic())
         if self.observer is not None:
-            self.observer.on_step([out])
+            self.observer.on_step(outputs[-1:])
 
     # ---- what /cluster and /metrics show -------------------------------------------------------
     @property

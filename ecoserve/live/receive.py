@@ -203,7 +203,7 @@ class Receiver:
                 req.done = True
                 fe.deliver(req)
                 fe.end(req)
-                ttft = req.first_token - req.arrival if req.first_token is not None else None
+                ttft = req.first_delivery - req.arrival if req.first_delivery is not None else None
                 fe.post(ev.RequestFinished(req.request_id, h.instance_id, ttft))
             else:
                 fe.deliver(req)

@@ -4,6 +4,11 @@ Deltas from instances are folded into per-sample histories here and handed to th
 `RequestOutput`s, so the OpenAI handlers read the same objects as from a single engine. A started
 request whose instance is lost can move on (a migration): its input is then the prompt plus its
 output so far, and its stream continues where the client's left off.
+
+Two clocks per request: `first_token`/`last_token` are when tokens came from its instance,
+`first_delivery`/`last_delivery` when they reached the client's queue. They differ only under the
+output hold; the metrics the client is shown (`RequestMetrics`, hence the Prometheus TTFT) use the
+delivery times, as the simulator's records do (see `ecoserve.sim.metrics`).
 """
 from __future__ import annotations
 
@@ -51,8 +56,10 @@ class LiveRequest:
     lost_from: int | None = None  # its instance was lost: a re-route (or, once started, a migration) is due
     migrations: int = 0  # times its stream moved on after its instance was lost
     first_scheduled: float | None = None
-    first_token: float | None = None
+    first_token: float | None = None  # from its instance
     last_token: float | None = None
+    first_delivery: float | None = None  # into the client's queue
+    last_delivery: float | None = None
     finished: float | None = None
     done: bool = False
     held: list[RequestOutput] = field(default_factory=list)  # outputs kept from the client (output hold)
@@ -150,6 +157,20 @@ class LiveRequest:
             outs.append(CompletionOutput(i, s.new_text, s.new_token_ids, s.cumulative_logprob, new_logprobs,
                                          s.finish_reason, s.stop_reason, s.history))
             s.new_token_ids, s.new_text, s.new_logprobs = [], "", None
-        metrics = RequestMetrics(self.arrival, self.first_scheduled, self.first_token, self.last_token, self.finished)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, outs,
-                             self.all_finished, metrics, self.num_cached_tokens)
+                             self.all_finished, self.metrics(), self.num_cached_tokens)
+
+    def metrics(self) -> RequestMetrics:
+        """The client's view: token times are when tokens reached it (held ones at their flush)."""
+        return RequestMetrics(self.arrival, self.first_scheduled, self.first_delivery, self.last_delivery,
+                              self.finished)
+
+    def hand_out(self, outputs: list[RequestOutput], now: float) -> None:
+        """These outputs reach the client now: stamp the delivery times, into their metrics too."""
+        if any(c.new_token_ids for o in outputs for c in o.outputs):
+            if self.first_delivery is None:
+                self.first_delivery = now
+            self.last_delivery = now
+        for o in outputs:
+            o.metrics = self.metrics()
+            self.outputs.put_nowait(o)

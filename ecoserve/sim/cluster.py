@@ -92,9 +92,8 @@ class ClusterSim:
         self.records: list[RequestRecord] = []
         self.failed: dict[str, str] = {}
         self.window_opens: list[tuple[float, int]] = []
-        self._held: dict[int, float] = {}  # instance -> when its output hold began
-        self._held_finished: dict[int, list[tuple[str, float | None]]] = {}
-        self._shown_decode_start: dict[str, float] = {}  # moved later by a hold
+        self.first_delivery: dict[str, float] = {}  # when a request's first token reached its client
+        self._held: dict[int, set[str]] = {}  # instance -> requests whose first token it holds back
         self._active = True
 
     def status_of(self, iid: int) -> InstanceStatus:
@@ -122,9 +121,9 @@ class ClusterSim:
             elif t is CloseWindow:
                 self.instances[a.instance_id].close_window()
             elif t is HoldOutput:
-                self._held.setdefault(a.instance_id, self.clock.now())
+                self._held.setdefault(a.instance_id, set())
             elif t is ReleaseOutput:
-                events.extend(self._release(a.instance_id))
+                self._release(a.instance_id)
             elif t is SetTimer:
                 if self._active:
                     events.append(Timer(max(a.time, self.clock.now()), a.name))
@@ -147,10 +146,14 @@ class ClusterSim:
     def on_step_end(self, inst: SimInstance) -> list[Event]:
         first, finished = inst.finish_step()
         now = self.clock.now()
+        iid = inst.instance_id
         for r in first:
             self.first_token.setdefault(r.request_id, now)
+            if iid in self._held:
+                self._held[iid].add(r.request_id)
+            else:
+                self.first_delivery.setdefault(r.request_id, now)
         events: list[Event] = []
-        iid = inst.instance_id
         for r in finished:
             rid = r.request_id
             left = self.remaining[rid] - r.num_output_tokens
@@ -158,8 +161,6 @@ class ClusterSim:
             ds = inst.decode_start.pop(rid, None)
             if left > 0:  # FuDG: the prefill leg is done, the decode leg follows elsewhere
                 events.extend(self.apply(self.controller.handle(PrefillDone(rid, iid, r.num_prompt_tokens))))
-            elif iid in self._held:
-                self._held_finished.setdefault(iid, []).append((rid, ds))
             else:
                 events.extend(self.record(rid, iid, ds))
         events.extend(self.apply(self.controller.handle(InstanceReported(iid))))
@@ -187,34 +188,23 @@ class ClusterSim:
         return self.apply(self.controller.handle(TimerFired(name))) if self._active else []
 
     # ---- output hold and metrics -----------------------------------------------------------------
-    def _release(self, iid: int) -> list[Event]:
+    def _release(self, iid: int) -> None:
         """Flush what the instance held: its clients see those tokens now."""
-        since = self._held.pop(iid, None)
-        if since is None:
-            return []
         now = self.clock.now()
-        inst = self.instances[iid]
-        for rid, ds in inst.decode_start.items():
-            if ds >= since:
-                self._shown_decode_start[rid] = now
-        for r in inst.sched.running:
-            if self.first_token.get(r.request_id, -1.0) >= since:
-                self.first_token[r.request_id] = now
-        events: list[Event] = []
-        for rid, ds in self._held_finished.pop(iid, []):
-            if self.first_token.get(rid, -1.0) >= since:
-                self.first_token[rid] = now
-            events.extend(self.record(rid, iid, now if ds is not None and ds >= since else ds))
-        return events
+        for rid in self._held.pop(iid, ()):
+            self.first_delivery.setdefault(rid, now)
 
     def record(self, rid: str, iid: int, decode_start: float | None) -> list[Event]:
+        """The request's last token: the client gets it at once, held or not (a finished request is flushed)."""
         req = self.requests.pop(rid)
         self.remaining.pop(rid, None)
         now = self.clock.now()
         ft = self.first_token.pop(rid, now)
-        ds = self._shown_decode_start.pop(rid, decode_start)
-        ds = ds if ds is not None else ft
-        rec = RequestRecord(rid, req.arrival_time, ft, ds, now, req.input_len, req.output_len)
+        self._held.get(iid, set()).discard(rid)
+        delivered = self.first_delivery.pop(rid, now)
+        ds = decode_start if decode_start is not None else ft
+        rec = RequestRecord(rid, req.arrival_time, ft, ds, now, req.input_len, req.output_len,
+                            first_delivery=delivered, last_delivery=now)
         self.records.append(rec)
         return self.apply(self.controller.handle(RequestFinished(rid, iid, rec.ttft)))
 

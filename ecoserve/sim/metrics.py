@@ -3,7 +3,22 @@
 TTFT (EcoServe, paper A5) runs from arrival until the request's *decode phase begins*: its first
 token exists *and* the instance has switched to decoding it (other requests' prefills or a FuDG
 KV transfer delay that). TPOT is measured after that switch: (finish - decode start) / (out - 1).
-The plain first-token time is kept too (`ttft_first_token`), as the common benchmarks define it.
+
+The output hold (reference mode: a prefill instance's tokens are kept from clients until the
+switch away from it or S_TTFT) changes when tokens *reach the client*, so both drivers record that
+too: `first_delivery` and `last_delivery`. A held request's tokens reach the client at the
+release, or at once when it finishes while held (the frontend flushes a finished request). A hold
+is charged to TTFT, never credited to TPOT:
+
+- TTFT = max(decode start, first delivery) - arrival. Without a hold the first delivery is the
+  first token (<= decode start), so this is the plain EcoServe TTFT.
+- TPOT = (finish - decode start) / (out - 1) with the instance's decode start, never moved by a
+  hold: a burst delivered at a release does not make decoding faster (the client renders it at
+  its own pace), so no request gets TPOT 0 from a hold.
+
+The client's view as the common benchmarks (vLLM's) measure it is kept as extra fields:
+`ttft_first_token` = first delivery - arrival and `tpot_delivered` = (last delivery - first
+delivery) / (out - 1). SLO attainment uses `ttft` and `tpot`.
 """
 from __future__ import annotations
 
@@ -22,18 +37,32 @@ class RequestRecord:
     finish: float
     input_len: int
     output_len: int
+    first_delivery: float | None = None  # its first token reached the client (None: at first_token)
+    last_delivery: float | None = None  # its last token reached the client (None: at finish)
+
+    def __post_init__(self) -> None:
+        if self.first_delivery is None:
+            object.__setattr__(self, "first_delivery", self.first_token)
+        if self.last_delivery is None:
+            object.__setattr__(self, "last_delivery", self.finish)
 
     @property
     def ttft(self) -> float:
-        return self.decode_start - self.arrival
+        return max(self.decode_start, self.first_delivery) - self.arrival
 
     @property
     def ttft_first_token(self) -> float:
-        return self.first_token - self.arrival
+        """The first token as the client receives it (vLLM's benchmark TTFT)."""
+        return self.first_delivery - self.arrival
 
     @property
     def tpot(self) -> float:
         return (self.finish - self.decode_start) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    @property
+    def tpot_delivered(self) -> float:
+        """The pace the client received tokens at after the first (vLLM's benchmark TPOT)."""
+        return (self.last_delivery - self.first_delivery) / (self.output_len - 1) if self.output_len > 1 else 0.0
 
     @property
     def e2e(self) -> float:
@@ -58,7 +87,7 @@ def summarize(records: Iterable[RequestRecord], ttft_slo: float | None = None, t
     out: dict = {"num_finished": len(recs)}
     if not recs:
         return out
-    for name in ("ttft", "ttft_first_token", "tpot", "e2e"):
+    for name in ("ttft", "ttft_first_token", "tpot", "tpot_delivered", "e2e"):
         v = np.array([getattr(r, name) for r in recs])
         out[name] = {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)),
                      "p90": float(np.percentile(v, 90)), "p99": float(np.percentile(v, 99))}

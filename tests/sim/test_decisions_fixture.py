@@ -4,6 +4,8 @@ The fixture was recorded from the simulator-subclass code (main at ad61eae) with
 `python tests/sim/test_decisions_fixture.py --record`; every step's chunks and every request's
 times must match it. The PaDG cases (both router modes) were recorded the same way from main at
 1d847b0 (`--record padg`), before the simulator speed pass, which must not change any decision.
+The reference-mode records hold the instance's token times and finish, which the output hold no
+longer moves (it changes only when tokens reach the client); its steps are those recorded at 1d847b0.
 """
 import hashlib
 import json
