@@ -85,6 +85,8 @@ def _best_mooncake(spec, dataset, **kw) -> dict:
         if pd[0] + pd[1] != spec.num_instances:
             pd = (max(1, round(spec.num_instances * pd[0] / 8)), 0)
             pd = (pd[0], spec.num_instances - pd[0])
+        if f"{pd[0]}:{pd[1]}" in curves:
+            continue  # small clusters map both splits to the same one
         curves[f"{pd[0]}:{pd[1]}"] = {**goodput_curve("mooncake", spec, dataset, pd=pd, **kw), "pd": list(pd)}
     best: dict = {"goodput": {}, "per_gpu": {}, "pd": {}}
     for t in GOODPUT_TARGETS:
