@@ -236,7 +236,12 @@ def main() -> int:
     for name, fn in (("overall", overall), ("slo", slo), ("burstiness", burst), ("scaling", scaling),
                      ("ablation", ablation), ("stepcost", stepcost), ("windows", windows), ("mitosis", mitosis)):
         runs = _find(root, name)
-        if runs and (name in ("windows", "mitosis") or "goodput" in runs[0]):
+        if name not in ("windows", "mitosis"):  # goodput experiments: JSON from before the curves is skipped
+            old = [r for r in runs if "curve" not in r]
+            if old:
+                print(f"{name}: skipped {len(old)} JSON without goodput curves (re-run it)", file=sys.stderr)
+            runs = [r for r in runs if "curve" in r]
+        if runs:
             print(f"### {name}\n")
             fn(runs, flags)
             print()

@@ -160,6 +160,11 @@ def _line(label: str, r: dict) -> str:
             f"{_g(r, 'p99', 'max'):7.2f} req/s (monotone / max; {n} points, {r['cpu_s']:.0f} s CPU)")
 
 
+def _grid() -> dict:
+    """How the curves were sampled (also marks a goodput JSON as made from curves)."""
+    return {"arrival_s": ARRIVAL_S, "curve": asdict(CURVE), "start_per_instance": START_PER_INSTANCE}
+
+
 def _compact(results: dict) -> dict:
     """{row: {column: {target: {definition: goodput}}}} from the full results (curves left out)."""
     return {k: {c: r["goodput"] for c, r in row.items()} for k, row in results.items()}
@@ -183,8 +188,7 @@ def overall(out: Path, models=("llama-30b", "codellama-34b", "qwen2-72b"), datas
             plot_curves(out / "curves", key, res[key])
     ratios = {e: {s: _by_definition(lambda t, df, e=e, s=s: _mean_ratio(res, e, s, t, df))
                   for s in strategies if s not in ECO} for e in ECO if e in strategies}
-    data = {"num_requests": num_requests, "arrival_s": ARRIVAL_S, "curve": asdict(CURVE),
-            "start_per_instance": START_PER_INSTANCE, "goodput": _compact(res), "results": res, "ecoserve_over": ratios}
+    data = {"num_requests": num_requests, **_grid(), "goodput": _compact(res), "results": res, "ecoserve_over": ratios}
     _save(out, "overall", data)
     _bar_plot(out, "overall", {k: {s: _g(v) for s, v in r.items()} for k, r in res.items()}, "P90 goodput (req/s), monotone")
     plot_overall_vs_vllm(out, data)
@@ -251,7 +255,7 @@ def slo_sensitivity(out: Path, model="codellama-34b", dataset="sharegpt", num_re
             res[s][label] = _timed(s, l20_spec(model), dataset, ttft=a, tpot=b, num_requests=num_requests)
             print(_line(f"{label} {s}", res[s][label]), flush=True)
     g = _compact(res)
-    data = {"model": model, "dataset": dataset, "goodput": g, "results": res, "drop_loosest_to_strictest": _drops(g)}
+    data = {"model": model, "dataset": dataset, **_grid(), "goodput": g, "results": res, "drop_loosest_to_strictest": _drops(g)}
     _save(out, "slo", data)
     _bar_plot(out, "slo", {c: {s: g[s][c]["p99"]["monotone"] for s in g} for c in next(iter(g.values()))},
               "P99 goodput (req/s), monotone")
@@ -270,7 +274,7 @@ def burstiness(out: Path, model="codellama-34b", dataset="sharegpt", num_request
             res[s][str(cv)] = _timed(s, l20_spec(model), dataset, arrival="gamma", cv=cv, num_requests=num_requests)
             print(_line(f"CV {cv} {s}", res[s][str(cv)]), flush=True)
     g = _compact(res)
-    data = {"model": model, "dataset": dataset, "goodput": g, "results": res, "drop_cv1.2_to_2.0": _drops(g)}
+    data = {"model": model, "dataset": dataset, **_grid(), "goodput": g, "results": res, "drop_cv1.2_to_2.0": _drops(g)}
     _save(out, "burstiness", data)
     _bar_plot(out, "burstiness", {f"CV {cv}": {s: g[s][str(cv)]["p99"]["monotone"] for s in g} for cv in cvs},
               "P99 goodput (req/s), monotone")
@@ -291,7 +295,7 @@ def static_scaling(out: Path, models=("codellama-34b", "qwen2-72b"), dataset="sh
     g = _compact(res)
     ratio = {k: _by_definition(lambda t, d, v=v: v[sizes[-1]][t][d] / v[sizes[0]][t][d] if v[sizes[0]][t][d] else None)
              for k, v in g.items()}
-    data = {"dataset": dataset, "goodput": g, "results": res, f"scale_{sizes[0]}_to_{sizes[-1]}": ratio}
+    data = {"dataset": dataset, **_grid(), "goodput": g, "results": res, f"scale_{sizes[0]}_to_{sizes[-1]}": ratio}
     _save(out, "scaling", data)
     _bar_plot(out, "scaling", {f"{n} inst": {k: g[k][n]["p90"]["monotone"] for k in g} for n in sizes},
               "P90 goodput (req/s), monotone")
@@ -358,7 +362,7 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
             res[m][v] = _timed("ecoserve", l20_spec(m), dataset, num_requests=num_requests, router_mode=mode, router=kw)
             print(_line(f"{m} {v}", res[m][v]), flush=True)
     g = _compact(res)
-    data = {"dataset": dataset, "goodput": g, "results": res}
+    data = {"dataset": dataset, **_grid(), "goodput": g, "results": res}
     _save(out, "ablation", data)
     _bar_plot(out, "ablation", {f"{m} {t}": {v: g[m][v][t]["monotone"] for v in g[m]} for m in g for t in GOODPUT_TARGETS},
               "goodput (req/s), monotone")
@@ -385,7 +389,7 @@ def step_cost_sweep(out: Path, model="codellama-34b", dataset="sharegpt", num_re
             res[key][s] = _timed(s, spec, dataset, num_requests=num_requests)
             print(_line(f"{key} {s}", res[key][s]), flush=True)
     g = _compact(res)
-    data = {"model": model, "dataset": dataset, "goodput": g, "results": res}
+    data = {"model": model, "dataset": dataset, **_grid(), "goodput": g, "results": res}
     _save(out, "stepcost", data)
     _bar_plot(out, "stepcost", {k: {s: v[s]["p90"]["monotone"] for s in v} for k, v in g.items()},
               "P90 goodput (req/s), monotone")

@@ -57,7 +57,7 @@ def test_sim_tables_flags_ratios_off_the_papers(tmp_path):
                                 "ecoserve_ref": _g(19, 20)} for d in ("alpaca", "sharegpt")}
     results = {k: {s: {"goodput": g} for s, g in v.items()} for k, v in cells.items()}
     (tmp_path / "ov").mkdir()
-    (tmp_path / "ov" / "overall.json").write_text(json.dumps({"goodput": cells, "results": results}))
+    (tmp_path / "ov" / "overall.json").write_text(json.dumps({"curve": {}, "goodput": cells, "results": results}))
     out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, check=True).stdout
     assert "| llama-30b/alpaca | 10.0 / 10.0 | 10.0 / 10.0 | 10.0 / 20.0 | 19.0 / 20.0 |" in out
     vs_vllm = next(line for line in out.splitlines() if line.startswith("| vs vllm |"))
@@ -66,3 +66,20 @@ def test_sim_tables_flags_ratios_off_the_papers(tmp_path):
     assert "| vs vllm | paper | monotone | 1.00x | 1.96x | 0.51 | unexplained |" in flags
     assert "| vs vllm | paper | max |" not in flags and "| vs vllm | reference |" not in flags
     assert "| vs sarathi | paper | monotone | 1.00x | 1.99x |" in flags
+
+
+def test_sim_tables_prints_the_other_goodput_experiments(tmp_path):
+    meta = {"curve": {}}
+    (tmp_path / "slo.json").write_text(json.dumps({**meta, "goodput": {
+        "vllm": {"5s/100ms": _g(20, 20, 10), "1s/50ms": _g(8, 9, 4)}}}))
+    (tmp_path / "scaling.json").write_text(json.dumps({**meta, "goodput": {
+        "qwen2-72b/ecoserve": {"1": _g(2, 2), "2": _g(4, 4), "4": _g(6, 11)}}}))
+    (tmp_path / "ablation.json").write_text(json.dumps({**meta, "goodput": {"codellama-34b": {"paper": _g(3, 4)}}}))
+    (tmp_path / "stepcost.json").write_text(json.dumps({**meta, "goodput": {
+        "0ms+0ms/dec": {"sarathi": _g(10, 10), "ecoserve": _g(5, 12)}}}))
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    assert "| vLLM | 10.0 / 10.0 | 4.0 / 4.0 | -60.0% / -60.0% | -60.0% |" in out  # P99 columns and drop
+    assert "| qwen2-72b paper | 2.00 / 2.00 | 4.00 / 4.00 | 6.00 / 11.00 | 3.00x† | 5.50x | 5.47x |" in out
+    assert "| qwen2-72b scaling | paper | monotone | 3.00x | 5.47x |" in out
+    assert "| paper | 3.0 | 4.0 | 3.0 | 3.0 |" in out
+    assert "| 0ms+0ms/dec | 10.0 / 10.0 | 5.0 / 12.0 | 0.50x |" in out
