@@ -97,7 +97,7 @@ class CurveConfig:
     stop_below: float = 0.5
     stop_after: int = 2
     max_points: int = 30
-    max_below: int = 4
+    max_below: int = 8
 
 
 def attainment_curve(attain_at: Callable[[float], CurvePoint | float], start: float,
