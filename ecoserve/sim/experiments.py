@@ -221,7 +221,7 @@ def plot_curves(out: Path, key: str, cell: dict) -> Path:
             ax.semilogx([p["rate"] for p in pts], [p["attainment"] for p in pts], "o-", ms=3,
                         label=f"{s} {label}".strip())
     for t, ls in (("p90", "--"), ("p99", ":")):
-        ax.axhline(TARGETS[t], color="gray", ls=ls, lw=0.8)
+        ax.axhline(TARGETS[t], color="gray", ls=ls, lw=0.8, label=f"{t.upper()} ({TARGETS[t]:g})")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment")
     ax.set_ylim(-0.02, 1.02)
