@@ -176,7 +176,7 @@ def scaling(runs: list[dict], flags: Flags | None = None) -> None:
     print("|---" * (len(sizes) + 4) + "|")
     for key, v in g.items():
         model, series = key.split("/")
-        paper = PAPER_SCALING.get(model)
+        paper = PAPER_SCALING.get(model) if (sizes[0], sizes[-1]) == ("1", "4") else None
         marks = [flags.mark(f"{model} scaling", ECO.get(series, series), x,
                             _ratio(v[sizes[-1]]["p90"][x], v[sizes[0]]["p90"][x]), paper) for x in DEFINITIONS]
         print(f"| {model} {ECO.get(series, series)} | " + " | ".join(_both(v[n], "p90", ".2f") for n in sizes)
