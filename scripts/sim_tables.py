@@ -180,7 +180,7 @@ def scaling(runs: list[dict], flags: Flags | None = None) -> None:
         marks = [flags.mark(f"{model} scaling", ECO.get(series, series), x,
                             _ratio(v[sizes[-1]]["p90"][x], v[sizes[0]]["p90"][x]), paper) for x in DEFINITIONS]
         print(f"| {model} {ECO.get(series, series)} | " + " | ".join(_both(v[n], "p90", ".2f") for n in sizes)
-              + " | " + " | ".join(marks) + f" | {_f(paper, '.2f')}x |")
+              + " | " + " | ".join(marks) + f" | {f'{paper:.2f}x' if paper else '-'} |")
 
 
 def ablation(runs: list[dict], flags: Flags | None = None) -> None:
