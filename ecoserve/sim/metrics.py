@@ -109,17 +109,16 @@ def attainment_curve(attain_at: Callable[[float], CurvePoint | float], start: fl
         v = attain_at(rate)
         return v if isinstance(v, CurvePoint) else CurvePoint(rate, float(v))
 
+    grid = lambda k: round(start * config.ratio ** k, 6)
     points = [at(start)]
-    rate = start
-    for _ in range(config.max_below):
+    for k in range(1, config.max_below + 1):
         if points[0].attainment >= top:
             break
-        rate /= config.ratio
-        points.insert(0, at(rate))
-    rate, misses = start, int(points[-1].attainment < config.stop_below)
+        points.insert(0, at(grid(-k)))
+    k, misses = 0, int(points[-1].attainment < config.stop_below)
     while misses < config.stop_after and len(points) < config.max_points:
-        rate *= config.ratio
-        points.append(at(rate))
+        k += 1
+        points.append(at(grid(k)))
         misses = misses + 1 if points[-1].attainment < config.stop_below else 0
     return points
 
