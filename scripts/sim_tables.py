@@ -3,8 +3,14 @@
     python scripts/sim_tables.py [results/sim]
 
 Every `<experiment>.json` under the folder (searched recursively) is read; several `overall.json`
-(e.g. one per model, run in parallel) are merged. EcoServe appears twice: `ecoserve` (paper mode)
-and `ecoserve_ref` (reference mode, the authors' released scheduler).
+(e.g. one per model or dataset, run in parallel) are merged. EcoServe appears in three router modes:
+`ecoserve` (paper), `ecoserve_ref` (reference, the authors' released scheduler) and `ecoserve_strict`
+(paper-strict, Algorithm 1 as written). Goodput is shown as "monotone / max" (ecoserve/sim/metrics.py:
+the highest rate meeting the target with every lower rate meeting it too / at all).
+
+A P90 ratio that differs from the paper's figure by more than FLAG_TOLERANCE is marked with a dagger and
+listed under "Flags" with its cause from CAUSES, looked up by "<row> / <mode>", then "<row>", else
+"unexplained" (rows as printed, e.g. "vs sarathi", "longbench vs NoDG", "qwen2-72b vs FuDG").
 """
 from __future__ import annotations
 
@@ -13,16 +19,25 @@ import sys
 from pathlib import Path
 
 BASELINES = ("vllm", "sarathi", "distserve", "mooncake")
-ECO = {"ecoserve": "paper mode", "ecoserve_ref": "reference mode"}
-PAPER_OVER = {"vllm": "1.96x", "sarathi": "1.99x", "distserve": "2.51x", "mooncake": "2.40x"}
-PAPER_DATASET_NODG = {"alpaca": "1.19x", "sharegpt": "1.26x", "longbench": "2.72x"}
-PAPER_DATASET_FUDG = {"alpaca": "1.70x", "sharegpt": "4.00x", "longbench": "2.53x"}
-PAPER_MODEL_NODG = {"llama-30b": "1.59x", "codellama-34b": "1.83x", "qwen2-72b": "1.76x"}
-PAPER_SLO_DROP = {"ecoserve": "-57.1%", "ecoserve_ref": "-57.1%", "vllm": "-60.0%", "sarathi": "-72.9%",
-                  "distserve": "-26.9%", "mooncake": "-23.9%"}
-PAPER_BURST_DROP = {"ecoserve": "-17.3%", "ecoserve_ref": "-17.3%", "vllm": "-19.5%", "sarathi": "-35.7%",
-                    "distserve": "-12.6%", "mooncake": "-17.1%"}
-PAPER_SCALING = {"codellama-34b": "4.96x", "qwen2-72b": "5.47x"}
+NAMES = {"vllm": "vLLM", "sarathi": "Sarathi", "distserve": "DistServe", "mooncake": "MoonCake"}
+ECO = {"ecoserve": "paper", "ecoserve_ref": "reference", "ecoserve_strict": "paper-strict"}
+GROUPS = {"NoDG": ("vllm", "sarathi"), "FuDG": ("distserve", "mooncake")}
+TARGETS = ("p90", "p99")
+DEFINITIONS = ("monotone", "max")
+FLAG_TOLERANCE = 0.25
+# The paper's P90 figures (../shared/reference/ecoserve_paper.md A10; aggregates only, no per-cell bars).
+PAPER_OVER = {"vllm": 1.96, "sarathi": 1.99, "distserve": 2.51, "mooncake": 2.40}
+PAPER_DATASET = {"alpaca": {"NoDG": 1.19, "FuDG": 1.70}, "sharegpt": {"NoDG": 1.26, "FuDG": 4.00},
+                 "longbench": {"NoDG": 2.72, "FuDG": 2.53}}
+PAPER_MODEL = {"llama-30b": {"NoDG": 1.59, "FuDG": 4.82}, "codellama-34b": {"NoDG": 1.83, "FuDG": 2.15},
+               "qwen2-72b": {"NoDG": 1.76, "FuDG": 1.79}}
+PAPER_SLO_DROP = {"ecoserve": "-57.1%", "vllm": "-60.0%", "sarathi": "-72.9%", "distserve": "-26.9%",
+                  "mooncake": "-23.9%"}
+PAPER_BURST_DROP = {"ecoserve": "-17.3%", "vllm": "-19.5%", "sarathi": "-35.7%", "distserve": "-12.6%",
+                    "mooncake": "-17.1%"}
+PAPER_SCALING = {"codellama-34b": 4.96, "qwen2-72b": 5.47}
+# Why a flagged ratio differs from the paper's, by "<row> / <mode>" or "<row>"; filled in after each run.
+CAUSES: dict[str, str] = {}
 
 
 def _find(root: Path, name: str) -> list[dict]:
@@ -33,109 +48,164 @@ def _f(v: float | None, fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def _x(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "n/a"
+def _both(g: dict | None, target: str, fmt: str = ".1f") -> str:
+    """'monotone / max' of one {target: {definition: value}} entry."""
+    return "-" if g is None else " / ".join(_f(g[target][d], fmt) for d in DEFINITIONS)
 
 
 def _mean(vals: list[float]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _drop(first: float, last: float) -> str:
-    """The change from the first column to the last, signed (the paper reports drops as negative)."""
-    return f"{100 * (last / first - 1):+.1f}%" if first else "n/a"
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
-def overall(runs: list[dict]) -> None:
-    res = {k: v for d in runs for k, v in d["results"].items()}
-    g = {k: {s: r[s]["goodput"] for s in r} for k, r in res.items()}
-    print("| model / dataset (P90 goodput, req/s) | vLLM | Sarathi | DistServe | MoonCake (P:D) | Eco paper | Eco ref |"
-          " paper / vLLM | ref / vLLM | paper / Sarathi | ref / Sarathi |")
-    print("|---" * 11 + "|")
-    for key, r in res.items():
-        mc = f"{r['mooncake']['goodput']:.1f} ({r['mooncake']['pd'][0]}:{r['mooncake']['pd'][1]})" if "mooncake" in r else "-"
-        gk = g[key]
-        print(f"| {key} | {_f(gk.get('vllm'))} | {_f(gk.get('sarathi'))} | {_f(gk.get('distserve'))} | {mc} | "
-              f"{_f(gk.get('ecoserve'))} | {_f(gk.get('ecoserve_ref'))} | {_x(gk.get('ecoserve'), gk.get('vllm'))} | "
-              f"{_x(gk.get('ecoserve_ref'), gk.get('vllm'))} | {_x(gk.get('ecoserve'), gk.get('sarathi'))} | "
-              f"{_x(gk.get('ecoserve_ref'), gk.get('sarathi'))} |")
-    print("\n| EcoServe / baseline (mean over cells) | paper mode | reference mode | paper (32 L20 GPUs) |\n|---|---|---|---|")
-    for s in BASELINES:
-        cells = [_mean([g[k][e] / g[k][s] for k in g if g[k].get(s) and e in g[k]]) for e in ECO]
-        print(f"| {s} | " + " | ".join(_f(c, ".2f") + "x" if c else "n/a" for c in cells) + f" | {PAPER_OVER[s]} |")
+class Flags:
+    """Collects ratios that differ from the paper's by more than FLAG_TOLERANCE, for the Flags table."""
 
-    def vs(keys, e, group):
-        out = []
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, float, float]] = []
+
+    def mark(self, row: str, mode: str, definition: str, ours: float | None, paper: float | None) -> str:
+        text = _f(ours, ".2f") + "x" if ours is not None else "n/a"
+        if ours is None or paper is None or abs(ours / paper - 1) <= FLAG_TOLERANCE:
+            return text
+        self.rows.append((row, mode, definition, ours, paper))
+        return text + "†"
+
+    def print(self) -> None:
+        if not self.rows:
+            print(f"No P90 ratio differs from the paper's by more than {FLAG_TOLERANCE:.0%}.")
+            return
+        print(f"#### Flags (P90 ratio off the paper's by more than {FLAG_TOLERANCE:.0%})\n")
+        print("| ratio | mode | definition | ours | paper | ours / paper | cause |\n|---|---|---|---|---|---|---|")
+        for row, mode, d, ours, paper in self.rows:
+            cause = CAUSES.get(f"{row} / {mode}", CAUSES.get(row, "unexplained"))
+            print(f"| {row} | {mode} | {d} | {ours:.2f}x | {paper:.2f}x | {ours / paper:.2f} | {cause} |")
+
+
+def overall(runs: list[dict], flags: Flags | None = None) -> None:
+    flags = flags or Flags()
+    g = {k: v for d in runs for k, v in d["goodput"].items()}
+    pd = {k: v["mooncake"]["pd"] for d in runs for k, v in d["results"].items() if "mooncake" in v}
+    series = [s for s in (*BASELINES, *ECO) if any(s in r for r in g.values())]
+    eco = [e for e in ECO if e in series]
+    for t in TARGETS:
+        print(f"#### {t.upper()} goodput per cell (req/s, monotone / max; MoonCake's best P:D per definition)\n")
+        print("| model / dataset | " + " | ".join(NAMES.get(s, f"Eco {ECO.get(s)}") for s in series) + " |")
+        print("|---" * (len(series) + 1) + "|")
+        for key, r in g.items():
+            cells = []
+            for s in series:
+                cell = _both(r.get(s), t)
+                if s == "mooncake" and key in pd:
+                    cell += " (" + ", ".join(f"{p[0]}:{p[1]}" for p in (pd[key][t][d] for d in DEFINITIONS)) + ")"
+                cells.append(cell)
+            print(f"| {key} | " + " | ".join(cells) + " |")
+        print()
+        pairs = [(e, s) for s in ("vllm", "sarathi") for e in eco]
+        print(f"#### {t.upper()}, EcoServe / NoDG per cell (monotone / max)\n")
+        print("| model / dataset | " + " | ".join(f"{ECO[e]} / {NAMES[s]}" for e, s in pairs) + " |")
+        print("|---" * (len(pairs) + 1) + "|")
+        for key, r in g.items():
+            print(f"| {key} | " + " | ".join(
+                " / ".join(_f(_ratio(r[e][t][d], r[s][t][d]) if e in r and s in r else None, ".2f") for d in DEFINITIONS)
+                for e, s in pairs) + " |")
+        print()
+
+    def over(keys, e, group, t, d):
+        vals = []
         for k in keys:
-            base = [g[k][s] for s in group if g[k].get(s) is not None]
+            base = [g[k][s][t][d] for s in group if s in g[k]]
             if base and sum(base) > 0 and e in g[k]:
-                out.append(g[k][e] * len(base) / sum(base))
-        return _mean(out)
-    print("\n| P90, EcoServe / mean of the group, mean over cells | paper mode vs NoDG | reference mode vs NoDG | "
-          "paper vs NoDG | paper mode vs FuDG | reference mode vs FuDG | paper vs FuDG |\n|---|---|---|---|---|---|---|")
-    for ds in PAPER_DATASET_NODG:
-        keys = [k for k in g if k.endswith("/" + ds)]
-        if keys:
-            print(f"| {ds} | " + " | ".join(_f(vs(keys, e, ("vllm", "sarathi")), ".2f") + "x" for e in ECO)
-                  + f" | {PAPER_DATASET_NODG[ds]} | "
-                  + " | ".join(_f(vs(keys, e, ("distserve", "mooncake")), ".2f") + "x" for e in ECO)
-                  + f" | {PAPER_DATASET_FUDG[ds]} |")
-    for m in PAPER_MODEL_NODG:
-        keys = [k for k in g if k.startswith(m + "/")]
-        if keys:
-            print(f"| {m} | " + " | ".join(_f(vs(keys, e, ("vllm", "sarathi")), ".2f") + "x" for e in ECO)
-                  + f" | {PAPER_MODEL_NODG[m]} | | | |")
+                vals.append(g[k][e][t][d] * len(base) / sum(base))
+        return _mean(vals)
+
+    rows: list[tuple[str, list[str], tuple, float | None]] = []
+    for s in BASELINES:
+        rows.append((f"vs {s}", list(g), (s,), PAPER_OVER[s]))
+    for ds, paper in PAPER_DATASET.items():
+        for grp, members in GROUPS.items():
+            rows.append((f"{ds} vs {grp}", [k for k in g if k.endswith("/" + ds)], members, paper[grp]))
+    for m, paper in PAPER_MODEL.items():
+        for grp, members in GROUPS.items():
+            rows.append((f"{m} vs {grp}", [k for k in g if k.startswith(m + "/")], members, paper[grp]))
+    for t in TARGETS:
+        print(f"#### {t.upper()}, EcoServe / baseline (or the group's mean), mean over cells\n")
+        print("| ratio | " + " | ".join(f"{ECO[e]}, {d}" for e in eco for d in DEFINITIONS) + " | paper (P90, 32 L20) |")
+        print("|---" * (2 * len(eco) + 2) + "|")
+        for row, keys, group, paper in rows:
+            if not keys:
+                continue
+            vals = [(e, d, over(keys, e, group, t, d)) for e in eco for d in DEFINITIONS]
+            cells = [flags.mark(row, ECO[e], d, v, paper) if t == "p90" else (_f(v, ".2f") + "x" if v else "n/a")
+                     for e, d, v in vals]
+            print(f"| {row} | " + " | ".join(cells) + f" | {paper:.2f}x |")
+        print()
 
 
-def _by_series(d: dict, cols: list[str], paper_drop: dict[str, str]) -> None:
-    g = d["goodput_p99"]
-    print("| P99 goodput (req/s) | " + " | ".join(cols) + " | drop, first -> last | paper drop (A800) |")
+def _by_series(d: dict, paper_drop: dict[str, str], target: str = "p99") -> None:
+    g = d["goodput"]
+    cols = list(next(iter(g.values())))
+    print(f"| {target.upper()} goodput (req/s), monotone / max | " + " | ".join(cols)
+          + " | drop, first -> last (monotone / max) | paper drop (A800) |")
     print("|---" * (len(cols) + 3) + "|")
     for s, v in g.items():
-        name = f"EcoServe {ECO[s]}" if s in ECO else s
-        print(f"| {name} | " + " | ".join(_f(v[c]) for c in cols) + f" | {_drop(v[cols[0]], v[cols[-1]])} | "
+        name = f"EcoServe {ECO[s]}" if s in ECO else NAMES.get(s, s)
+        drop = " / ".join(f"{100 * (v[cols[-1]][target][x] / v[cols[0]][target][x] - 1):+.1f}%"
+                          if v[cols[0]][target][x] else "n/a" for x in DEFINITIONS)
+        print(f"| {name} | " + " | ".join(_both(v[c], target) for c in cols) + f" | {drop} | "
               f"{paper_drop.get(s, '')} |")
 
 
-def slo(runs: list[dict]) -> None:
-    _by_series(runs[0], list(next(iter(runs[0]["goodput_p99"].values()))), PAPER_SLO_DROP)
+def slo(runs: list[dict], flags: Flags | None = None) -> None:
+    _by_series(runs[0], PAPER_SLO_DROP)
 
 
-def burst(runs: list[dict]) -> None:
-    _by_series(runs[0], ["1.2", "1.5", "2.0"], PAPER_BURST_DROP)
+def burst(runs: list[dict], flags: Flags | None = None) -> None:
+    _by_series(runs[0], PAPER_BURST_DROP)
 
 
-def scaling(runs: list[dict]) -> None:
-    d = runs[0]
-    print("| model / router | 1 | 2 | 3 | 4 instances | 1 -> 4 | paper 1 -> 4 |\n|---|---|---|---|---|---|---|")
-    for m, v in d["goodput_p90"].items():
-        model, series = m.split("/")
-        print(f"| {model} {ECO.get(series, series)} | " + " | ".join(_f(v[k], ".2f") for k in ("1", "2", "3", "4"))
-              + f" | {_x(v['4'], v['1'])} | {PAPER_SCALING.get(model, '')} |")
-
-
-def ablation(runs: list[dict]) -> None:
-    for m, by_t in runs[0]["goodput"].items():
-        variants = list(next(iter(by_t.values())))
-        print(f"| {m} | " + " | ".join(variants) + " |")
-        print("|---" * (len(variants) + 1) + "|")
-        for t, v in by_t.items():
-            print(f"| {t} | " + " | ".join(_f(v[x]) for x in variants) + " |")
-
-
-def stepcost(runs: list[dict]) -> None:
-    g = runs[0]["goodput_p90"]
-    series = list(next(iter(g.values())))
-    print("| prompt-step overhead + per hybrid decode | " + " | ".join(series)
-          + " | paper / Sarathi | ref / Sarathi | paper / vLLM | ref / vLLM |")
-    print("|---" * (len(series) + 5) + "|")
+def scaling(runs: list[dict], flags: Flags | None = None) -> None:
+    flags = flags or Flags()
+    g = runs[0]["goodput"]
+    sizes = list(next(iter(g.values())))
+    print("| P90 goodput (req/s), monotone / max | " + " | ".join(f"{n} inst" for n in sizes)
+          + f" | {sizes[0]} -> {sizes[-1]}, monotone | max | paper 1 -> 4 |")
+    print("|---" * (len(sizes) + 4) + "|")
     for key, v in g.items():
-        print(f"| {key} | " + " | ".join(_f(v[s]) for s in series)
-              + f" | {_x(v.get('ecoserve'), v.get('sarathi'))} | {_x(v.get('ecoserve_ref'), v.get('sarathi'))} | "
-              f"{_x(v.get('ecoserve'), v.get('vllm'))} | {_x(v.get('ecoserve_ref'), v.get('vllm'))} |")
+        model, series = key.split("/")
+        paper = PAPER_SCALING.get(model) if (sizes[0], sizes[-1]) == ("1", "4") else None
+        marks = [flags.mark(f"{model} scaling", ECO.get(series, series), x,
+                            _ratio(v[sizes[-1]]["p90"][x], v[sizes[0]]["p90"][x]), paper) for x in DEFINITIONS]
+        print(f"| {model} {ECO.get(series, series)} | " + " | ".join(_both(v[n], "p90", ".2f") for n in sizes)
+              + " | " + " | ".join(marks) + f" | {f'{paper:.2f}x' if paper else '-'} |")
 
 
-def mitosis(runs: list[dict]) -> None:
+def ablation(runs: list[dict], flags: Flags | None = None) -> None:
+    for m, by_v in runs[0]["goodput"].items():
+        print(f"| {m} (req/s) | " + " | ".join(f"{t.upper()} {d}" for t in TARGETS for d in DEFINITIONS) + " |")
+        print("|---" * (2 * len(TARGETS) + 1) + "|")
+        for v, g in by_v.items():
+            print(f"| {v} | " + " | ".join(_f(g[t][d]) for t in TARGETS for d in DEFINITIONS) + " |")
+
+
+def stepcost(runs: list[dict], flags: Flags | None = None) -> None:
+    g = runs[0]["goodput"]
+    series = list(next(iter(g.values())))
+    eco = [e for e in ECO if e in series]
+    ratios = [(e, s) for s in ("sarathi", "vllm") if s in series for e in eco]
+    print("| P90 goodput (req/s), monotone / max | " + " | ".join(series) + " | "
+          + " | ".join(f"{ECO[e]} / {NAMES[s]}, monotone" for e, s in ratios) + " |")
+    print("|---" * (len(series) + len(ratios) + 1) + "|")
+    for key, v in g.items():
+        print(f"| {key} | " + " | ".join(_both(v[s], "p90") for s in series) + " | "
+              + " | ".join(_f(_ratio(v[e]["p90"]["monotone"], v[s]["p90"]["monotone"]), ".2f") + "x"
+                           for e, s in ratios) + " |")
+
+
+def mitosis(runs: list[dict], flags: Flags | None = None) -> None:
     """One table per run found (e.g. mitosis/ and mitosis_no_margin/, in path order)."""
     for d in runs:
         series = list(d["series"])
@@ -147,7 +217,7 @@ def mitosis(runs: list[dict]) -> None:
         print()
 
 
-def windows(runs: list[dict]) -> None:
+def windows(runs: list[dict], flags: Flags | None = None) -> None:
     print("| req/s / series | attainment | TTFT p90 (s) | TPOT p90 (ms) | windows per instance | window share "
           "(x 1/8), min-max | mean window (s), min-max | busy, min-max |\n|---|---|---|---|---|---|---|---|")
     for key, v in runs[0]["runs"].items():
@@ -162,13 +232,20 @@ def windows(runs: list[dict]) -> None:
 
 def main() -> int:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "results/sim")
+    flags = Flags()
     for name, fn in (("overall", overall), ("slo", slo), ("burstiness", burst), ("scaling", scaling),
                      ("ablation", ablation), ("stepcost", stepcost), ("windows", windows), ("mitosis", mitosis)):
         runs = _find(root, name)
+        if name not in ("windows", "mitosis"):  # goodput experiments: JSON from before the curves is skipped
+            old = [r for r in runs if "curve" not in r]
+            if old:
+                print(f"{name}: skipped {len(old)} JSON without goodput curves (re-run it)", file=sys.stderr)
+            runs = [r for r in runs if "curve" in r]
         if runs:
             print(f"### {name}\n")
-            fn(runs)
+            fn(runs, flags)
             print()
+    flags.print()
     return 0
 
 

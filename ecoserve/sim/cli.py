@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -42,9 +43,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ecoserve: hold the prefill instance's output (default: on in reference mode only)")
     p.add_argument("--duration", type=float, default=None,
                    help="experiments: seconds of arrivals per rate point (default 45)")
+    p.add_argument("--grid-ratio", type=float, default=None,
+                   help="experiments: ratio between neighbouring rates of a goodput curve (default 1.2)")
     p.add_argument("--strategies", default=None,
                    help="experiments: comma-separated series (vllm, sarathi, distserve, mooncake, ecoserve "
-                        "[paper mode], ecoserve_ref [reference mode]); speed: strategies")
+                        "[paper mode], ecoserve_ref [reference mode], ecoserve_strict [paper-strict mode]); "
+                        "speed: strategies")
     p.add_argument("--mitosis-step", type=float, default=None, help="mitosis: seconds per rate step (default 120)")
     p.add_argument("--models", default=None, help="experiments: comma-separated models (default: the paper's)")
     p.add_argument("--datasets", default=None, help="experiments: comma-separated datasets")
@@ -65,6 +69,8 @@ def main(args: argparse.Namespace) -> int:
         import ecoserve.sim.experiments as experiments
         if args.duration:
             experiments.ARRIVAL_S = args.duration
+        if args.grid_ratio:
+            experiments.CURVE = dataclasses.replace(experiments.CURVE, ratio=args.grid_ratio)
         kw = {"num_requests": args.num_requests} if args.num_requests and args.experiment != "mitosis" else {}
         if args.strategies and args.experiment != "ablation":
             kw["strategies"] = tuple(args.strategies.split(","))

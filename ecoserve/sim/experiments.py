@@ -3,7 +3,11 @@
 Every point is a whole simulation through the live scheduler and the cluster controllers. Sizes
 are kept small by default (a few hundred requests per rate point) so that runs finish on a laptop;
 raise `num_requests` for tighter numbers. A *series* is a strategy with options: `ecoserve` is the
-paper-mode router, `ecoserve_ref` the authors' released scheduler (reference mode).
+paper-mode router, `ecoserve_ref` the authors' released scheduler (reference mode), `ecoserve_strict`
+the paper's Algorithm 1 as written (paper-strict mode).
+
+Goodput comes from attainment curves (`goodput_curve`): one curve per series and cell on a geometric
+grid of rates gives P90 and P99 goodput, each in two definitions (metrics.goodput_from_curve).
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ecoserve.sim.cluster import ClusterSpec
-from ecoserve.sim.metrics import TARGETS, attainment, goodput, summarize
+from ecoserve.sim.metrics import (GOODPUT_DEFINITIONS, GOODPUT_TARGETS, TARGETS, CurveConfig, CurvePoint, attainment,
+                                  attainment_curve, goodputs, summarize)
 from ecoserve.sim.models import model as get_model
 from ecoserve.registry import Registry
 from ecoserve.sim.cluster import build
@@ -24,9 +29,10 @@ PAPER_TP = {"llama-30b": 4, "codellama-34b": 4, "qwen2-72b": 8}
 MOONCAKE_PD = [(3, 5), (5, 3)]
 SERIES = {"vllm": ("vllm", {}), "sarathi": ("sarathi", {}), "distserve": ("distserve", {}),
           "mooncake": ("mooncake", {}), "ecoserve": ("ecoserve", {"router_mode": "paper"}),
-          "ecoserve_ref": ("ecoserve", {"router_mode": "reference"})}
-ALL = ("vllm", "sarathi", "distserve", "mooncake", "ecoserve", "ecoserve_ref")
-ECO = ("ecoserve", "ecoserve_ref")
+          "ecoserve_ref": ("ecoserve", {"router_mode": "reference"}),
+          "ecoserve_strict": ("ecoserve", {"router_mode": "paper-strict"})}
+ALL = ("vllm", "sarathi", "distserve", "mooncake", "ecoserve", "ecoserve_ref", "ecoserve_strict")
+ECO = ("ecoserve", "ecoserve_ref", "ecoserve_strict")
 ARRIVAL_S = 45.0  # default seconds of arrivals per rate point (`ecoserve simulate ... --duration`)
 
 
@@ -36,47 +42,83 @@ def l20_spec(model: str, num_instances: int = 8, **kw) -> ClusterSpec:
                        network="10gbe", **kw)
 
 
+# Curve start rates per instance, about a quarter of the lowest series' P90 capacity on the L20 cluster
+# (results/sim/ov_*/overall.json), so that a dip below capacity is on the grid.
+START_PER_INSTANCE = {"alpaca": 2.0, "sharegpt": 1.0, "longbench": 0.1}
+CURVE = CurveConfig()  # the grid of every goodput curve (`ecoserve simulate ... --grid-ratio`)
+
+
 def attain_at(strategy: str, spec: ClusterSpec, dataset: str, rate: float, ttft: float, tpot: float,
               num_requests: int, seed: int = 0, arrival: str = "poisson", cv: float = 1.0,
-              duration: float | None = None, **kw) -> float:
+              duration: float | None = None, **kw) -> CurvePoint:
     """Attainment at `rate`: arrivals over at least `duration` seconds (so queues reach steady
     state; short bursts are absorbed by memory and flatter every strategy), at least `num_requests`."""
     n = int(min(max(num_requests, rate * (duration or ARRIVAL_S)), 12_000))
     wl = synthetic(dataset, rate, n, seed=seed, arrival=arrival, cv=cv,
                    max_model_len=get_model(spec.model).max_model_len)
     res = build(strategy, spec, ttft, tpot, **kw).run(wl, horizon=max(60.0, 10 * ttft))
-    return attainment(res.records, ttft, tpot, res.num_submitted)
+    summary = summarize(res.records, ttft, tpot, res.num_submitted)
+    return CurvePoint(rate, attainment(res.records, ttft, tpot, res.num_submitted),
+                      summary.get("ttft", {}).get("p90"), summary.get("tpot", {}).get("p90"))
 
 
-def find_goodput(strategy: str, spec: ClusterSpec, dataset: str, target: str = "p90", num_requests: int = 400,
-                 ttft: float | None = None, tpot: float | None = None, seed: int = 0, max_evals: int = 12,
-                 **kw) -> dict:
+def goodput_curve(strategy: str, spec: ClusterSpec, dataset: str, num_requests: int = 400,
+                  ttft: float | None = None, tpot: float | None = None, seed: int = 0,
+                  start: float | None = None, **kw) -> dict:
+    """One attainment curve on the grid `CURVE` and, from it, goodput for P90 and P99 in both definitions.
+
+    Returns {"goodput": {target: {"monotone", "max"}}, "per_gpu": the same / GPUs, "points": [...]}.
+    """
     ds = DATASETS.get(dataset)
     ttft, tpot = ttft or ds.ttft_slo, tpot or ds.tpot_slo
     fn = lambda r: attain_at(strategy, spec, dataset, r, ttft, tpot, num_requests, seed, **kw)
-    lo = 0.25 * spec.num_instances if dataset != "longbench" else 0.05 * spec.num_instances
-    rate, seen = goodput(fn, TARGETS[target], lo=lo, hi=2 * lo, rel_tol=0.06, max_evals=max_evals)
-    return {"goodput": rate, "per_gpu": rate / spec.num_gpus, "points": seen}
+    points = attainment_curve(fn, start or START_PER_INSTANCE[dataset] * spec.num_instances, CURVE)
+    g = goodputs(points)
+    return {"goodput": g, "per_gpu": {t: {d: v / spec.num_gpus for d, v in by.items()} for t, by in g.items()},
+            "points": [asdict(p) for p in points]}
 
 
 def _best_mooncake(spec, dataset, **kw) -> dict:
-    best = None
+    """Both P:D splits' curves; the best split is chosen separately for each target and definition."""
+    curves = {}
     for pd in MOONCAKE_PD:
         if pd[0] + pd[1] != spec.num_instances:
             pd = (max(1, round(spec.num_instances * pd[0] / 8)), 0)
             pd = (pd[0], spec.num_instances - pd[0])
-        r = find_goodput("mooncake", spec, dataset, pd=pd, **kw)
-        r["pd"] = pd
-        if best is None or r["goodput"] > best["goodput"]:
-            best = r
-    return best
+        if f"{pd[0]}:{pd[1]}" in curves:
+            continue  # small clusters map both splits to the same one
+        curves[f"{pd[0]}:{pd[1]}"] = {**goodput_curve("mooncake", spec, dataset, pd=pd, **kw), "pd": list(pd)}
+    best: dict = {"goodput": {}, "per_gpu": {}, "pd": {}}
+    for t in GOODPUT_TARGETS:
+        for key in ("goodput", "per_gpu", "pd"):
+            best[key][t] = {}
+        for d in GOODPUT_DEFINITIONS:
+            top = max(curves.values(), key=lambda c: c["goodput"][t][d])
+            best["goodput"][t][d], best["per_gpu"][t][d] = top["goodput"][t][d], top["per_gpu"][t][d]
+            best["pd"][t][d] = top["pd"]
+    return {**best, "curves": curves}
 
 
 def _goodput_any(series, spec, dataset, **kw) -> dict:
+    """A series' goodput result (mooncake: the best P:D per target and definition, with each split's curve)."""
     strategy, opts = SERIES[series]
     if strategy == "mooncake":
         return _best_mooncake(spec, dataset, **kw)
-    return find_goodput(strategy, spec, dataset, **{**opts, **kw})
+    return goodput_curve(strategy, spec, dataset, **{**opts, **kw})
+
+
+def _curves(r: dict) -> dict[str, list[dict]]:
+    """A result's curves by label: one, or one per MoonCake split."""
+    return {k: c["points"] for k, c in r["curves"].items()} if "curves" in r else {"": r["points"]}
+
+
+def _g(r: dict, target: str = "p90", definition: str = "monotone") -> float:
+    return r["goodput"][target][definition]
+
+
+def _by_definition(fn) -> dict:
+    """{target: {definition: fn(target, definition)}} over the reported targets and both definitions."""
+    return {t: {d: fn(t, d) for d in GOODPUT_DEFINITIONS} for t in GOODPUT_TARGETS}
 
 
 def _save(out: Path, name: str, data: dict) -> Path:
@@ -105,10 +147,34 @@ def _bar_plot(out: Path, name: str, groups: dict[str, dict[str, float]], ylabel:
     plt.close(fig)
 
 
+def _timed(series, spec, dataset, **kw) -> dict:
+    t0 = time.process_time()
+    r = _goodput_any(series, spec, dataset, **kw)
+    r["cpu_s"] = round(time.process_time() - t0, 1)
+    return r
+
+
+def _line(label: str, r: dict) -> str:
+    n = sum(len(c) for c in _curves(r).values())
+    return (f"{label:40s} P90 {_g(r, 'p90'):7.2f} / {_g(r, 'p90', 'max'):7.2f}  P99 {_g(r, 'p99'):7.2f} / "
+            f"{_g(r, 'p99', 'max'):7.2f} req/s (monotone / max; {n} points, {r['cpu_s']:.0f} s CPU)")
+
+
+def _grid() -> dict:
+    """How the curves were sampled (also marks a goodput JSON as made from curves)."""
+    return {"arrival_s": ARRIVAL_S, "curve": asdict(CURVE), "start_per_instance": START_PER_INSTANCE}
+
+
+def _compact(results: dict) -> dict:
+    """{row: {column: {target: {definition: goodput}}}} from the full results (curves left out)."""
+    return {k: {c: r["goodput"] for c, r in row.items()} for k, row in results.items()}
+
+
 @EXPERIMENTS.register("overall")
 def overall(out: Path, models=("llama-30b", "codellama-34b", "qwen2-72b"), datasets=("alpaca", "sharegpt", "longbench"),
-            strategies=ALL, target="p90", num_requests=400) -> dict:
-    """Fig. 8-9: P90 goodput of every strategy on the L20 cluster (8 instances, 10 GbE)."""
+            strategies=ALL, num_requests=400) -> dict:
+    """Figs. 8-9: every series' attainment curve per cell on the L20 cluster (8 instances, 10 GbE), with P90
+    and P99 goodput in both definitions, and one PNG of the curves per cell under `out/curves/`."""
     res: dict = {}
     for m in models:
         for d in datasets:
@@ -117,70 +183,122 @@ def overall(out: Path, models=("llama-30b", "codellama-34b", "qwen2-72b"), datas
             for s in strategies:
                 if s == "distserve" and PAPER_TP.get(m) == 8:
                     continue  # the paper: DistServe cannot place 72B at TP=8 twice in one node
-                res[key][s] = _goodput_any(s, l20_spec(m), d, target=target, num_requests=num_requests)
-                print(f"{key:28s} {s:10s} {res[key][s]['goodput']:.2f} req/s", flush=True)
-    ratios = {}
-    for e in (x for x in ECO if x in strategies):
-        ratios[e] = {}
-        for s in strategies:
-            if s in ECO:
-                continue
-            vals = [res[k][e]["goodput"] / res[k][s]["goodput"] for k in res
-                    if s in res[k] and res[k][s]["goodput"] > 0]
-            ratios[e][s] = sum(vals) / len(vals) if vals else None
-    data = {"target": target, "num_requests": num_requests, "results": res, "ecoserve_over": ratios}
+                res[key][s] = _timed(s, l20_spec(m), d, num_requests=num_requests)
+                print(_line(f"{key} {s}", res[key][s]), flush=True)
+            plot_curves(out / "curves", key, res[key])
+    ratios = {e: {s: _by_definition(lambda t, df, e=e, s=s: _mean_ratio(res, e, s, t, df))
+                  for s in strategies if s not in ECO} for e in ECO if e in strategies}
+    data = {"num_requests": num_requests, **_grid(), "goodput": _compact(res), "results": res, "ecoserve_over": ratios}
     _save(out, "overall", data)
-    _bar_plot(out, "overall", {k: {s: v["goodput"] for s, v in r.items()} for k, r in res.items()}, "P90 goodput (req/s)")
+    _bar_plot(out, "overall", {k: {s: _g(v) for s, v in r.items()} for k, r in res.items()}, "P90 goodput (req/s), monotone")
     plot_overall_vs_vllm(out, data)
     return data
 
 
+def _mean_ratio(res: dict, e: str, s: str, target: str, definition: str) -> float | None:
+    """Mean over cells of EcoServe's goodput over baseline `s`'s (cells where the baseline's is 0 left out)."""
+    vals = [_g(r[e], target, definition) / _g(r[s], target, definition) for r in res.values()
+            if e in r and s in r and _g(r[s], target, definition) > 0]
+    return sum(vals) / len(vals) if vals else None
+
+
 def plot_overall_vs_vllm(out: Path, data: dict) -> None:
     """The overall figure normalised to vLLM per cell, so LongBench's small rates stay readable."""
-    groups = {k: {s: v["goodput"] / r["vllm"]["goodput"] for s, v in r.items()}
-              for k, r in data["results"].items() if r.get("vllm", {}).get("goodput")}
-    _bar_plot(out, "overall_vs_vllm", groups, "P90 goodput / vLLM's")
+    groups = {k: {s: v["p90"]["monotone"] / r["vllm"]["p90"]["monotone"] for s, v in r.items()}
+              for k, r in data["goodput"].items() if r.get("vllm", {}).get("p90", {}).get("monotone")}
+    _bar_plot(out, "overall_vs_vllm", groups, "P90 goodput / vLLM's (monotone)")
+
+
+def plot_curves(out: Path, key: str, cell: dict) -> Path:
+    """Attainment against rate (log x) for every series of one cell, with the P90 and P99 lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for s, r in cell.items():
+        for label, pts in _curves(r).items():
+            ax.semilogx([p["rate"] for p in pts], [p["attainment"] for p in pts], "o-", ms=3,
+                        label=f"{s} {label}".strip())
+    for t, ls in (("p90", "--"), ("p99", ":")):
+        ax.axhline(TARGETS[t], color="gray", ls=ls, lw=0.8, label=f"{t.upper()} ({TARGETS[t]:g})")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(key, fontsize=9)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = out / f"{key.replace('/', '_')}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _drops(goodput: dict) -> dict:
+    """Per row: the relative drop from the first column to the last, per target and definition."""
+    def drop(v, t, d):
+        first, last = v[list(v)[0]][t][d], v[list(v)[-1]][t][d]
+        return 1 - last / first if first else None
+    return {s: _by_definition(lambda t, d, v=v: drop(v, t, d)) for s, v in goodput.items()}
 
 
 @EXPERIMENTS.register("slo")
 def slo_sensitivity(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
                     strategies=ALL) -> dict:
-    """Fig. 10: P99 goodput as the SLOs tighten (paper: A800; here the L20 cluster)."""
+    """Fig. 10: goodput (the paper: P99) as the SLOs tighten (paper: A800; here the L20 cluster)."""
     slos = [(5, 0.1), (3, 0.08), (3, 0.05), (1, 0.08), (1, 0.05)]
-    res = {s: {f"{a}s/{int(b * 1000)}ms": _goodput_any(s, l20_spec(model), dataset, target="p99", ttft=a, tpot=b,
-                                                         num_requests=num_requests)["goodput"] for a, b in slos}
-           for s in strategies}
-    drop = {s: 1 - v[list(v)[-1]] / v[list(v)[0]] if v[list(v)[0]] else None for s, v in res.items()}
-    data = {"model": model, "dataset": dataset, "goodput_p99": res, "drop_loosest_to_strictest": drop}
+    res = {}
+    for s in strategies:
+        res[s] = {}
+        for a, b in slos:
+            label = f"{a}s/{int(b * 1000)}ms"
+            res[s][label] = _timed(s, l20_spec(model), dataset, ttft=a, tpot=b, num_requests=num_requests)
+            print(_line(f"{label} {s}", res[s][label]), flush=True)
+    g = _compact(res)
+    data = {"model": model, "dataset": dataset, **_grid(), "goodput": g, "results": res, "drop_loosest_to_strictest": _drops(g)}
     _save(out, "slo", data)
-    _bar_plot(out, "slo", {k: {s: res[s][k] for s in res} for k in next(iter(res.values()))}, "P99 goodput (req/s)")
+    _bar_plot(out, "slo", {c: {s: g[s][c]["p99"]["monotone"] for s in g} for c in next(iter(g.values()))},
+              "P99 goodput (req/s), monotone")
     return data
 
 
 @EXPERIMENTS.register("burstiness")
 def burstiness(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
                strategies=ALL) -> dict:
-    """Fig. 11: P99 goodput under Gamma arrivals with CV 1.2 -> 2.0 (same mean rate)."""
+    """Fig. 11: goodput (the paper: P99) under Gamma arrivals with CV 1.2 -> 2.0 (same mean rate)."""
     cvs = [1.2, 1.5, 2.0]
-    res = {s: {str(cv): _goodput_any(s, l20_spec(model), dataset, target="p99", arrival="gamma", cv=cv,
-                                     num_requests=num_requests)["goodput"] for cv in cvs} for s in strategies}
-    drop = {s: 1 - v["2.0"] / v["1.2"] if v["1.2"] else None for s, v in res.items()}
-    data = {"model": model, "dataset": dataset, "goodput_p99": res, "drop_cv1.2_to_2.0": drop}
+    res = {}
+    for s in strategies:
+        res[s] = {}
+        for cv in cvs:
+            res[s][str(cv)] = _timed(s, l20_spec(model), dataset, arrival="gamma", cv=cv, num_requests=num_requests)
+            print(_line(f"CV {cv} {s}", res[s][str(cv)]), flush=True)
+    g = _compact(res)
+    data = {"model": model, "dataset": dataset, **_grid(), "goodput": g, "results": res, "drop_cv1.2_to_2.0": _drops(g)}
     _save(out, "burstiness", data)
-    _bar_plot(out, "burstiness", {f"CV {cv}": {s: res[s][str(cv)] for s in res} for cv in cvs}, "P99 goodput (req/s)")
+    _bar_plot(out, "burstiness", {f"CV {cv}": {s: g[s][str(cv)]["p99"]["monotone"] for s in g} for cv in cvs},
+              "P99 goodput (req/s), monotone")
     return data
 
 
 @EXPERIMENTS.register("scaling")
 def static_scaling(out: Path, models=("codellama-34b", "qwen2-72b"), dataset="sharegpt", num_requests=400,
-                   strategies=ECO) -> dict:
-    """Fig. 12: EcoServe P90 goodput with 1..4 instances in one macro instance (each router mode)."""
-    res = {f"{m}/{e}": {n: _goodput_any(e, l20_spec(m, n), dataset, num_requests=num_requests)["goodput"]
-                        for n in (1, 2, 3, 4)} for m in models for e in strategies}
-    ratio = {k: v[4] / v[1] if v[1] else None for k, v in res.items()}
-    data = {"dataset": dataset, "goodput_p90": res, "scale_1_to_4": ratio}
+                   strategies=ECO, sizes=(1, 2, 3, 4)) -> dict:
+    """Fig. 12: EcoServe goodput with 1..4 instances in one macro instance (each router mode)."""
+    res = {}
+    for m in models:
+        for e in strategies:
+            res[f"{m}/{e}"] = {}
+            for n in sizes:
+                res[f"{m}/{e}"][n] = _timed(e, l20_spec(m, n), dataset, num_requests=num_requests)
+                print(_line(f"{m} {e} {n} instances", res[f"{m}/{e}"][n]), flush=True)
+    g = _compact(res)
+    ratio = {k: _by_definition(lambda t, d, v=v: v[sizes[-1]][t][d] / v[sizes[0]][t][d] if v[sizes[0]][t][d] else None)
+             for k, v in g.items()}
+    data = {"dataset": dataset, **_grid(), "goodput": g, "results": res, f"scale_{sizes[0]}_to_{sizes[-1]}": ratio}
     _save(out, "scaling", data)
-    _bar_plot(out, "scaling", {f"{n} inst": {k: res[k][n] for k in res} for n in (1, 2, 3, 4)}, "P90 goodput (req/s)")
+    _bar_plot(out, "scaling", {f"{n} inst": {k: g[k][n]["p90"]["monotone"] for k in g} for n in sizes},
+              "P90 goodput (req/s), monotone")
     return data
 
 
@@ -237,12 +355,17 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
                 "paper_hold": ("paper", {"output_hold": True}),
                 "reference_no_hold": ("reference", {"output_hold": False}),
                 **{f"fixed_{f}": ("fixed_interval", {"interval_frac": f}) for f in fixed}}
-    res = {m: {t: {v: _goodput_any("ecoserve", l20_spec(m), dataset, target=t, num_requests=num_requests,
-                                   router_mode=mode, router=kw)["goodput"] for v, (mode, kw) in variants.items()}
-               for t in ("p90", "p99")} for m in models}
-    data = {"dataset": dataset, "goodput": res}
+    res = {}
+    for m in models:
+        res[m] = {}
+        for v, (mode, kw) in variants.items():
+            res[m][v] = _timed("ecoserve", l20_spec(m), dataset, num_requests=num_requests, router_mode=mode, router=kw)
+            print(_line(f"{m} {v}", res[m][v]), flush=True)
+    g = _compact(res)
+    data = {"dataset": dataset, **_grid(), "goodput": g, "results": res}
     _save(out, "ablation", data)
-    _bar_plot(out, "ablation", {f"{m} {t}": res[m][t] for m in res for t in res[m]}, "goodput (req/s)")
+    _bar_plot(out, "ablation", {f"{m} {t}": {v: g[m][v][t]["monotone"] for v in g[m]} for m in g for t in GOODPUT_TARGETS},
+              "goodput (req/s), monotone")
     return data
 
 
@@ -255,17 +378,21 @@ STEP_COSTS = ((0.0, 0.0), (0.005, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.00
 @EXPERIMENTS.register("stepcost")
 def step_cost_sweep(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
                     strategies=("vllm", "sarathi", "ecoserve", "ecoserve_ref"), costs=STEP_COSTS) -> dict:
-    """P90 goodput as steps that carry prompt tokens cost more (`StepTypeCosts`), for each series."""
+    """Goodput as steps that carry prompt tokens cost more (`StepTypeCosts`), for each series."""
     res = {}
     for overhead, hybrid in costs:
         key = f"{overhead * 1e3:g}ms+{hybrid * 1e3:g}ms/dec"
         spec = l20_spec(model, perf_knobs={"step_costs": {"prompt_step_overhead_s": overhead,
                                                           "hybrid_decode_token_s": hybrid}})
-        res[key] = {s: _goodput_any(s, spec, dataset, num_requests=num_requests)["goodput"] for s in strategies}
-        print(f"{key:18s} " + " ".join(f"{s}={v:.1f}" for s, v in res[key].items()), flush=True)
-    data = {"model": model, "dataset": dataset, "goodput_p90": res}
+        res[key] = {}
+        for s in strategies:
+            res[key][s] = _timed(s, spec, dataset, num_requests=num_requests)
+            print(_line(f"{key} {s}", res[key][s]), flush=True)
+    g = _compact(res)
+    data = {"model": model, "dataset": dataset, **_grid(), "goodput": g, "results": res}
     _save(out, "stepcost", data)
-    _bar_plot(out, "stepcost", res, "P90 goodput (req/s)")
+    _bar_plot(out, "stepcost", {k: {s: v[s]["p90"]["monotone"] for s in v} for k, v in g.items()},
+              "P90 goodput (req/s), monotone")
     return data
 
 

@@ -100,34 +100,75 @@ def summarize(records: Iterable[RequestRecord], ttft_slo: float | None = None, t
 
 
 TARGETS = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+GOODPUT_TARGETS = ("p90", "p99")
+GOODPUT_DEFINITIONS = ("monotone", "max")
 
 
-def goodput(attain_at: Callable[[float], float], target: float | str = 0.9, lo: float = 0.1, hi: float = 8.0,
-            rel_tol: float = 0.03, max_evals: int = 20, num_gpus: int | None = None) -> tuple[float, list[tuple[float, float]]]:
-    """Highest rate whose attainment >= target: bracket by doubling, then bisect (curve assumed monotone-ish).
+@dataclass(frozen=True)
+class CurvePoint:
+    """One rate of an attainment curve: both SLOs met over all submitted requests, and the p90 latencies."""
+    rate: float
+    attainment: float
+    ttft_p90: float | None = None
+    tpot_p90: float | None = None
 
-    Returns (rate, evaluated points); rate is per GPU when `num_gpus` is given. 0 if even `lo` fails.
+
+@dataclass(frozen=True)
+class CurveConfig:
+    """How a curve walks its geometric grid (rates start * ratio**k).
+
+    It climbs until attainment is below `stop_below` at `stop_after` consecutive rates: past that point
+    neither goodput definition can move for any target >= stop_below. When the start rate itself misses
+    the highest target it first steps down (at most `max_below` rates) until one meets it, so that the
+    monotone goodput has a passing rate under it; `max_points` bounds the climb.
+    """
+    ratio: float = 1.2
+    stop_below: float = 0.5
+    stop_after: int = 2
+    max_points: int = 30
+    max_below: int = 8
+
+
+def attainment_curve(attain_at: Callable[[float], CurvePoint | float], start: float,
+                     config: CurveConfig = CurveConfig(), targets=GOODPUT_TARGETS) -> list[CurvePoint]:
+    """Evaluate `attain_at` on the grid of `config` from `start`; the points come back sorted by rate."""
+    top = max(TARGETS[t] if isinstance(t, str) else t for t in targets)
+
+    def at(rate: float) -> CurvePoint:
+        v = attain_at(rate)
+        return v if isinstance(v, CurvePoint) else CurvePoint(rate, float(v))
+
+    grid = lambda k: round(start * config.ratio ** k, 6)
+    points = [at(start)]
+    for k in range(1, config.max_below + 1):
+        if points[0].attainment >= top:
+            break
+        points.insert(0, at(grid(-k)))
+    k, misses = 0, int(points[-1].attainment < config.stop_below)
+    while misses < config.stop_after and len(points) < config.max_points:
+        k += 1
+        points.append(at(grid(k)))
+        misses = misses + 1 if points[-1].attainment < config.stop_below else 0
+    return points
+
+
+def goodput_from_curve(points: Iterable[CurvePoint], target: float | str = 0.9) -> dict[str, float]:
+    """Both goodput definitions from one curve (0.0 where no rate qualifies).
+
+    `monotone`: the highest rate meeting the target with every lower rate of the curve meeting it too;
+    `max`: the highest rate meeting it at all (the two differ where attainment dips and recovers).
     """
     t = TARGETS[target] if isinstance(target, str) else target
-    seen: list[tuple[float, float]] = []
-
-    def ok(rate: float) -> bool:
-        a = attain_at(rate)
-        seen.append((rate, a))
-        return a >= t
-
-    if not ok(lo):
-        return 0.0, seen
-    good = lo
-    while ok(hi):
-        good, hi = hi, hi * 2
-        if len(seen) >= max_evals:
+    pts = sorted(points, key=lambda p: p.rate)
+    monotone = 0.0
+    for p in pts:
+        if p.attainment < t:
             break
-    bad = hi
-    while bad - good > rel_tol * good and len(seen) < max_evals:
-        mid = (good + bad) / 2
-        if ok(mid):
-            good = mid
-        else:
-            bad = mid
-    return (good / num_gpus if num_gpus else good), seen
+        monotone = p.rate
+    return {"monotone": monotone, "max": max((p.rate for p in pts if p.attainment >= t), default=0.0)}
+
+
+def goodputs(points: Iterable[CurvePoint], targets=GOODPUT_TARGETS) -> dict[str, dict[str, float]]:
+    """{target: {definition: rate}} for each target, all from the same curve."""
+    pts = list(points)
+    return {t: goodput_from_curve(pts, t) for t in targets}
