@@ -36,8 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--router-mode", default="paper", choices=ROUTER_MODES.names(),
-                   help="ecoserve: the macro-instance router (paper: our reading of Algorithm 1; reference: "
-                        "the authors' released scheduler); default %(default)s")
+                   help="ecoserve: the macro-instance router (paper: our reading of Algorithm 1; paper-strict: "
+                        "Algorithm 1 as printed; reference: the authors' released scheduler; fixed_interval: "
+                        "ablation); default %(default)s")
     p.add_argument("--output-hold", default=None, choices=["on", "off"],
                    help="ecoserve: hold the prefill instance's output (default: on in reference mode only)")
     p.add_argument("--duration", type=float, default=None,

@@ -23,6 +23,7 @@ from ecoserve.sim.metrics import RequestRecord
 from ecoserve.sim.models import model as get_model
 from ecoserve.sim.network import LinkQueue
 from ecoserve.sim.perf import make_perf
+from ecoserve.sim.profiling import measured_prefill_table
 from ecoserve.sim.workload import SimRequest
 
 __all__ = ["STRATEGIES", "ClusterSim", "ClusterSpec", "SimResult", "build"]
@@ -73,8 +74,8 @@ class ClusterSim:
         opts = ControllerOptions(ttft_slo, tpot_slo, num_instances=spec.num_instances,
                                  max_num_batched_tokens=spec.max_num_batched_tokens, chunk_size=spec.chunk_size,
                                  kv_bytes_per_token=self.model.kv_bytes_per_token, **options)
-        self.controller = build_controller(strategy, opts, self.clock, self.perf.predicted_prefill_time,
-                                           statuses=self.status_of)
+        measured = measured_prefill_table(self.perf, spec.max_num_batched_tokens)  # what a live instance reports
+        self.controller = build_controller(strategy, opts, self.clock, measured.seconds, statuses=self.status_of)
         self.instances: list[SimInstance] = []
         for iid in sorted(self.controller.setups):
             setup = self.controller.setups[iid]

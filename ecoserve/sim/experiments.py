@@ -24,9 +24,10 @@ PAPER_TP = {"llama-30b": 4, "codellama-34b": 4, "qwen2-72b": 8}
 MOONCAKE_PD = [(3, 5), (5, 3)]
 SERIES = {"vllm": ("vllm", {}), "sarathi": ("sarathi", {}), "distserve": ("distserve", {}),
           "mooncake": ("mooncake", {}), "ecoserve": ("ecoserve", {"router_mode": "paper"}),
-          "ecoserve_ref": ("ecoserve", {"router_mode": "reference"})}
+          "ecoserve_ref": ("ecoserve", {"router_mode": "reference"}),
+          "ecoserve_strict": ("ecoserve", {"router_mode": "paper-strict"})}
 ALL = ("vllm", "sarathi", "distserve", "mooncake", "ecoserve", "ecoserve_ref")
-ECO = ("ecoserve", "ecoserve_ref")
+ECO = ("ecoserve", "ecoserve_ref", "ecoserve_strict")
 ARRIVAL_S = 45.0  # default seconds of arrivals per rate point (`ecoserve simulate ... --duration`)
 
 
