@@ -45,7 +45,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="experiments: seconds of arrivals per rate point (default 45)")
     p.add_argument("--strategies", default=None,
                    help="experiments: comma-separated series (vllm, sarathi, distserve, mooncake, ecoserve "
-                        "[paper mode], ecoserve_ref [reference mode]); speed: strategies")
+                        "[paper mode], ecoserve_ref [reference mode], ecoserve_strict [paper-strict mode]); "
+                        "speed: strategies")
     p.add_argument("--mitosis-step", type=float, default=None, help="mitosis: seconds per rate step (default 120)")
     p.add_argument("--models", default=None, help="experiments: comma-separated models (default: the paper's)")
     p.add_argument("--datasets", default=None, help="experiments: comma-separated datasets")
