@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 REFERENCE_ANCHORS = (16, 4096)  # the released router's profile lengths (tokens)
-PROFILE_TOKENS = (16, 64, 256)  # prompt lengths an instance times at start-up (`ecoserve instance --profile-tokens`)
+# Prompt lengths an instance times at start-up (`ecoserve instance --profile-tokens`), each capped at its
+# token budget: up to a full step, so the router reads long prompts between rows, not past the last one.
+PROFILE_TOKENS = (16, 64, 256, 1024, 4096)
 
 
 def profiling_lengths(max_num_batched_tokens: int, max_model_len: int | None = None,

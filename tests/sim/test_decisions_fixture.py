@@ -3,10 +3,7 @@
 The fixture was recorded from the simulator-subclass code (main at ad61eae) with
 `python tests/sim/test_decisions_fixture.py --record`; every step's chunks and every request's
 times must match it. The PaDG cases (both router modes) were recorded the same way from main at
-1d847b0 (`--record padg`), before the simulator speed pass, which must not change any decision;
-the reference case again when the router's predictions moved from the performance model to the
-start-up profile a live instance measures (`ecoserve.sim.profiling`): its 4096-token anchor is now
-read past that profile's last row.
+1d847b0 (`--record padg`), before the simulator speed pass, which must not change any decision.
 """
 import hashlib
 import json

@@ -33,9 +33,16 @@ def test_the_controller_predicts_from_the_live_profiling_lengths(name, monkeypat
     sim = build(name, spec, 5.0, 0.1)
     table = StepTimeTable([(n, sim.perf.predicted_prefill_time(n) * 1e3) for n in PROFILE_TOKENS])
     (step_time,) = seen
-    for n in (1, 16, 40, 64, 256, 1000, 4096):
+    for n in (1, 16, 40, 64, 256, 1000, 2048, 4096, 8192):
         assert step_time(n) == pytest.approx(table.seconds(n))
-    assert step_time(4096) != pytest.approx(sim.perf.predicted_prefill_time(4096), rel=1e-3)  # not the oracle
+    assert step_time(2048) != pytest.approx(sim.perf.predicted_prefill_time(2048), rel=1e-3)  # not the oracle
+
+
+def test_the_profiling_lengths_are_a_spec_knob():
+    spec = small_spec(profile_tokens=(16, 64, 256))
+    sim = build("ecoserve", spec, 5.0, 0.1)
+    short = StepTimeTable([(n, sim.perf.predicted_prefill_time(n) * 1e3) for n in (16, 64, 256)])
+    assert sim.controller.profile.step_time(4096) == pytest.approx(short.seconds(4096))
 
 
 def test_profiling_lengths_fit_one_step_and_the_context():
