@@ -4,9 +4,9 @@ The router owns the windows: when its cursor moves to an instance it opens that 
 window (`OpenWindow`; the window start is Algorithm 1's `t_switch`) and closes the previous one
 (`CloseWindow`). Four ways to decide when the cursor moves:
 
-- `mode="paper"` (default): our reading of Algorithm 1, not the algorithm as printed. Each request tries the instance that
-  took the previous one, then the rest of the cycle; a request that fits nowhere waits in the
-  router (FIFO, the head blocks). At instance I, for a request r:
+- `mode="paper"` (default): our reading of Algorithm 1, not the algorithm as printed. Each
+  request tries the instance that took the previous one, then the rest of the cycle; a request
+  that fits nowhere waits in the router (FIFO, the head blocks). At instance I, for a request r:
   (1) TTFT: max(time the window has been open, time r waited in the router) + the predicted
       batched prefill of I's unprefilled prompts and r  <=  S_TTFT. The window's first request
       has waited since the window opened, so no window outlasts S_TTFT (a timer closes it
