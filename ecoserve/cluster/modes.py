@@ -4,14 +4,15 @@ A mode is registered by name (`RouterConfig.mode`) and answers the router's four
 request is submitted, something changed so that waiting requests may go (`retry`), a window
 opened, and the controller's periodic tick (only modes with a `period`). The router keeps the
 windows, the cycle and the checks of Algorithm 1; a mode only says which of them to use when.
-`paper` and `fixed_interval` are here, `reference` (the authors' released router) in reference.py.
+`paper` and `fixed_interval` are here, `paper-strict` (Algorithm 1 as printed) in strict.py and
+`reference` (the authors' released router) in reference.py.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from ecoserve.cluster.events import Action, Dispatch, SetTimer
-from ecoserve.cluster.status import StatusOf
+from ecoserve.cluster.status import InstanceStatus, StatusOf
 from ecoserve.registry import Registry
 
 if TYPE_CHECKING:  # the router builds its mode; a mode only receives the router
@@ -29,6 +30,12 @@ class RouterMode:
 
     def submit(self, mac: "MacroInstance", req: "PendingRequest", status_of: StatusOf, now: float) -> list[Action]:
         raise NotImplementedError
+
+    def ttft_check(self, mac: "MacroInstance", st: InstanceStatus, prompt_len: int, now: float,
+                   queued_time: float | None) -> tuple[float, bool]:
+        """Check (1): the window's predicted prefill time with the new prompt (check (2) compares the
+        slack with it), and whether it passes. Default: paper mode's batched window."""
+        return mac.batched_ttft(st, prompt_len, now, queued_time)
 
     def retry(self, mac: "MacroInstance", status_of: StatusOf, now: float) -> list[Action]:
         return []
@@ -62,7 +69,12 @@ class PaperMode(RouterMode):
             mac.pending.popleft()
             acts += mac.switch_to(iid, now)
             acts.append(Dispatch(head.request_id, iid, head.max_tokens))
+            self.routed(mac, iid, head)
         return acts
+
+    def routed(self, mac, instance_id: int, req) -> None:
+        """`req` was just dispatched to `instance_id` (whose window is open); modes that count a window's
+        requests hook here."""
 
     def opened(self, mac, instance_id, now):
         # check (1) admits nothing after S_TTFT: close the window on time

@@ -15,6 +15,16 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 REFERENCE_ANCHORS = (16, 4096)  # the released router's profile lengths (tokens)
+# Prompt lengths an instance times at start-up (`ecoserve instance --profile-tokens`), each capped at its
+# token budget: up to a full step, so the router reads long prompts between rows, not past the last one.
+PROFILE_TOKENS = (16, 64, 256, 1024, 4096)
+
+
+def profiling_lengths(max_num_batched_tokens: int, max_model_len: int | None = None,
+                      token_counts: Iterable[int] = PROFILE_TOKENS) -> list[int]:
+    """The prompt lengths an instance times: each fits one step (the token budget) and the model's context."""
+    cap = max_num_batched_tokens if max_model_len is None else min(max_num_batched_tokens, max_model_len - 1)
+    return sorted({min(int(n), cap) for n in token_counts})
 
 
 class StepTimeTable:
@@ -93,6 +103,11 @@ class PrefillProfile:
             return 0.0
         full, rest = divmod(int(total_tokens), self.budget)
         return full * self._step(self.budget) + (self._step(rest) if rest else 0.0)
+
+    def alone(self, prompt_len: int) -> float:
+        """One prompt prefilled on its own (Algorithm 1's per-request prediction): `step_time(prompt_len)`
+        up to the token budget, budget-sized steps beyond it."""
+        return self.batched(prompt_len)
 
     def reference_ms(self, num_tokens: int) -> int:
         """The released router's estimate: exact at an anchor, else scaled linearly from one, whole ms.

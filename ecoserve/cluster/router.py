@@ -2,11 +2,11 @@
 
 The router owns the windows: when its cursor moves to an instance it opens that instance's
 window (`OpenWindow`; the window start is Algorithm 1's `t_switch`) and closes the previous one
-(`CloseWindow`). Three ways to decide when the cursor moves:
+(`CloseWindow`). Four ways to decide when the cursor moves:
 
-- `mode="paper"` (default): our reading of Algorithm 1. Each request tries the instance that
-  took the previous one, then the rest of the cycle; a request that fits nowhere waits in the
-  router (FIFO, the head blocks). At instance I, for a request r:
+- `mode="paper"` (default): our reading of Algorithm 1, not the algorithm as printed. Each
+  request tries the instance that took the previous one, then the rest of the cycle; a request
+  that fits nowhere waits in the router (FIFO, the head blocks). At instance I, for a request r:
   (1) TTFT: max(time the window has been open, time r waited in the router) + the predicted
       batched prefill of I's unprefilled prompts and r  <=  S_TTFT. The window's first request
       has waited since the window opened, so no window outlasts S_TTFT (a timer closes it
@@ -18,6 +18,10 @@ window (`OpenWindow`; the window start is Algorithm 1's `t_switch`) and closes t
       ablations). No decoding request: passes.
   (3) memory: prompt + 1 token of KV fits, keeping `kv_reserve_frac` of I's KV free.
   (4) seats: I has a free seat (`max_num_seqs` minus running and queued requests).
+- `mode="paper-strict"`: Algorithm 1 as printed (strict.py): check (1) is the sum of the
+  per-request predicted prefill times of the requests routed since the window opened plus r's
+  <= S_TTFT, check (2) compares the slack with that sum, (3) and (4) as above; no window timer
+  (a window closes when a check fails there and the cursor moves); requests wait FIFO as above.
 - `mode="reference"`: the authors' released scheduler (`reference.py`): one prefill instance at
   a time, no router queue, integer milliseconds; a failed check switches unconditionally.
 - `mode="fixed_interval"` (ablation, Figs. 15-16): every `interval_frac x S_TTFT` the cursor moves
@@ -35,7 +39,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from ecoserve.cluster import reference  # noqa: F401  (registers the "reference" mode)
+from ecoserve.cluster import reference, strict  # noqa: F401  (register the "reference" and "paper-strict" modes)
 from ecoserve.cluster.events import Action, CloseWindow, HoldOutput, OpenWindow, ReleaseOutput, SetTimer
 from ecoserve.cluster.modes import ROUTER_MODES
 from ecoserve.cluster.profile import PrefillProfile
@@ -163,7 +167,7 @@ class MacroInstance:
         """The macro instance is dissolved (merge): close its window."""
         return self._close_active()
 
-    # ---- Algorithm 1, paper mode -------------------------------------------------------------
+    # ---- Algorithm 1 ---------------------------------------------------------------------------
     def _aggregates(self, st: InstanceStatus) -> tuple:
         start = self.window_start.get(st.instance_id, -1.0) if st.instance_id == self.active else float("inf")
         cached = self._agg.get(st.instance_id)
@@ -202,7 +206,9 @@ class MacroInstance:
     def memory_ok(self, st: InstanceStatus, prompt_len: int) -> bool:
         return prompt_len + 1 <= st.free_kv_tokens - self.config.kv_reserve_frac * st.total_kv_tokens
 
-    def check(self, st: InstanceStatus, prompt_len: int, now: float, queued_time: float | None = None) -> Check:
+    def batched_ttft(self, st: InstanceStatus, prompt_len: int, now: float,
+                     queued_time: float | None = None) -> tuple[float, bool]:
+        """Paper mode's check (1): (the window's batched prefill with the prompt, whether it fits S_TTFT)."""
         cfg = self.config
         backlog = self._aggregates(st)[0]
         window = self.profile.batched(backlog + prompt_len)
@@ -210,8 +216,14 @@ class MacroInstance:
         waited = now - queued_time if queued_time is not None else 0.0
         if waited + self.profile.batched(prompt_len) > cfg.ttft_slo:
             waited = 0.0  # already late: its TTFT is lost, so only the window's own budget counts
-        if max(open_for, waited) + window > cfg.ttft_slo and (open_for > 0 or backlog > 0):
-            return Check(False, "ttft", window, None)  # an instance with nothing queued takes any prompt
+        late = max(open_for, waited) + window > cfg.ttft_slo
+        return window, not late or (open_for == 0 and backlog == 0)  # nothing queued: takes any prompt
+
+    def check(self, st: InstanceStatus, prompt_len: int, now: float, queued_time: float | None = None) -> Check:
+        """Algorithm 1 at instance `st`: check (1) as the mode defines it, then (2) TPOT, (3) memory, (4) seats."""
+        window, ttft_ok = self.mode.ttft_check(self, st, prompt_len, now, queued_time)
+        if not ttft_ok:
+            return Check(False, "ttft", window, None)
         saved = self.saved_tpot(st, now)
         if saved is not None and saved < window:
             return Check(False, "tpot", window, saved)

@@ -40,7 +40,7 @@ class ControllerOptions:
     balance: str = "round_robin"  # NoDG: | "least_loaded"
     pd: tuple[int, int] | None = None  # FuDG P:D split (default half and half)
     kv_bytes_per_token: float = 0.0  # FuDG: KV bytes shipped per prompt token
-    router_mode: str = "paper"  # ecoserve: a registered router mode (paper | reference | fixed_interval)
+    router_mode: str = "paper"  # ecoserve: a registered router mode (paper | paper-strict | reference | fixed_interval)
     router: dict = field(default_factory=dict)  # ecoserve: more RouterConfig fields (slack, order, output_hold ...)
     macro_sizes: tuple[int, ...] | None = None  # ecoserve: instances per macro instance (default: one of all)
     total_instances: int | None = None  # ecoserve with mitosis: instances including the free pool

@@ -59,6 +59,8 @@ def run_instance(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from ecoserve.cluster.profile import PROFILE_TOKENS
+
     p = subparsers.add_parser("instance", help="one instance of a cluster (connects to `ecoserve serve --strategy`)",
                               description="Start one engine instance that joins the cluster frontend at --connect.")
     EngineArgs.add_cli_args(p)
@@ -69,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--mock-profile", default=None, metavar="FILE",
                    help="run no model: sleep each step for this `tokens,ms` CSV's predicted time and emit "
                         "placeholder tokens")
-    p.add_argument("--profile-tokens", default="16,64,256",
+    p.add_argument("--profile-tokens", default=",".join(map(str, PROFILE_TOKENS)),
                    help="prompt sizes timed at start-up: the tokens -> time profile sent to the router")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--reconnect-window", type=float, default=10.0,

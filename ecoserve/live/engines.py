@@ -109,11 +109,11 @@ class RealEngine:
 
     def profile(self, token_counts: tuple[int, ...]) -> list[tuple[int, float]]:
         """Time one prefill of each size (the router's tokens -> time table); nothing stays queued."""
+        from ecoserve.cluster.profile import profiling_lengths
         from ecoserve.sampling import SamplingParams
         rows = []
         vocab = self.engine.loaded.spec.vocab_size
-        for n in token_counts:
-            n = min(n, self.max_model_len - 1, self.scheduler.config.max_num_batched_tokens)
+        for n in profiling_lengths(self.scheduler.config.max_num_batched_tokens, self.max_model_len, token_counts):
             rid = f"__profile_{n}"
             ids = [(7 * i + n) % vocab for i in range(n)]
             started = time.perf_counter()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ecoserve.clock import WallClock
+from ecoserve.cluster.router import ROUTER_MODES
 from ecoserve.cluster.strategies import STRATEGIES, ControllerOptions, build_controller, setups_for
 from ecoserve.config import EngineArgs
 
@@ -123,8 +124,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT SLO in seconds")
     g.add_argument("--slo-tpot", type=float, default=0.1, help="TPOT SLO in seconds")
     g.add_argument("--balance", default="round_robin", choices=["round_robin", "least_loaded"], help="NoDG")
-    g.add_argument("--router-mode", default="paper", choices=["paper", "reference", "fixed_interval"],
-                   help="ecoserve: Algorithm 1 as the paper reads, or the authors' released router")
+    g.add_argument("--router-mode", default="paper", choices=ROUTER_MODES.names(),
+                   help="ecoserve: paper (our reading of Algorithm 1), paper-strict (Algorithm 1 as printed), "
+                        "reference (the authors' released router) or fixed_interval (ablation); "
+                        "docs/reproduction.md 'Router modes'")
     g.add_argument("--output-hold", default=None, choices=["on", "off"],
                    help="ecoserve: hold the active prefill instance's tokens (default: on in reference mode)")
     g.add_argument("--macro-sizes", default=None, help="ecoserve: instances per macro instance, e.g. 4,4")

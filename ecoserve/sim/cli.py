@@ -28,6 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-instances", type=int, default=8)
     p.add_argument("--network", default="10gbe", choices=LINKS.names())
     p.add_argument("--profile", default=None, help="tokens,ms CSV to use instead of the roofline")
+    p.add_argument("--profile-tokens", default=None,
+                   help="prompt lengths the router's start-up profile is timed at, as `ecoserve instance "
+                        "--profile-tokens` (default: the same as there)")
     p.add_argument("--dataset", default="sharegpt", choices=DATASETS.names())
     p.add_argument("--trace", default=None, help="CSV/JSONL trace (arrival_time,input_len,output_len)")
     p.add_argument("--rate", type=float, default=8.0, help="request rate (req/s)")
@@ -37,8 +40,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--router-mode", default="paper", choices=ROUTER_MODES.names(),
-                   help="ecoserve: the macro-instance router (paper: our reading of Algorithm 1; reference: "
-                        "the authors' released scheduler); default %(default)s")
+                   help="ecoserve: the macro-instance router (paper: our reading of Algorithm 1; paper-strict: "
+                        "Algorithm 1 as printed; reference: the authors' released scheduler; fixed_interval: "
+                        "ablation); default %(default)s")
     p.add_argument("--output-hold", default=None, choices=["on", "off"],
                    help="ecoserve: hold the prefill instance's output (default: on in reference mode only)")
     p.add_argument("--duration", type=float, default=None,
@@ -87,7 +91,9 @@ def main(args: argparse.Namespace) -> int:
     ds = DATASETS.get(args.dataset)
     ttft, tpot = args.ttft_slo or ds.ttft_slo, args.tpot_slo or ds.tpot_slo
     spec = ClusterSpec(model=args.model, gpu=GPUS.get(args.gpu).name, tp=args.tp, num_instances=args.num_instances,
-                       network=args.network, profile=args.profile)
+                       network=args.network, profile=args.profile,
+                       **({"profile_tokens": tuple(int(t) for t in args.profile_tokens.split(","))}
+                          if args.profile_tokens else {}))
     wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
                                                              seed=args.seed, arrival=args.arrival, cv=args.cv)
     router = {"output_hold": args.output_hold == "on"} if args.output_hold is not None else {}

@@ -12,6 +12,7 @@ from ecoserve.clock import VirtualClock
 from ecoserve.cluster.events import (STAGING, CloseWindow, Dispatch, FinishRequest, HoldOutput, InstanceReported,
                                      OpenWindow, PrefillDone, ReleaseOutput, RequestArrived, RequestFinished,
                                      SetTimer, TimerFired, TransferDone, TransferKV)
+from ecoserve.cluster.profile import PROFILE_TOKENS
 from ecoserve.cluster.status import InstanceStatus
 from ecoserve.cluster.strategies import STRATEGIES, ControllerOptions, build_controller
 from ecoserve.config import SchedulerConfig
@@ -23,6 +24,7 @@ from ecoserve.sim.metrics import RequestRecord
 from ecoserve.sim.models import model as get_model
 from ecoserve.sim.network import LinkQueue
 from ecoserve.sim.perf import make_perf
+from ecoserve.sim.profiling import measured_prefill_table
 from ecoserve.sim.workload import SimRequest
 
 __all__ = ["STRATEGIES", "ClusterSim", "ClusterSpec", "SimResult", "build"]
@@ -41,6 +43,7 @@ class ClusterSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # separate batching (vLLM, EcoServe instance, FuDG prefill)
     chunk_size: int = 512  # Sarathi's token budget per hybrid step
+    profile_tokens: tuple[int, ...] = PROFILE_TOKENS  # lengths the router's start-up profile is timed at
     perf_knobs: dict = field(default_factory=dict)
 
     def perf(self):
@@ -73,8 +76,9 @@ class ClusterSim:
         opts = ControllerOptions(ttft_slo, tpot_slo, num_instances=spec.num_instances,
                                  max_num_batched_tokens=spec.max_num_batched_tokens, chunk_size=spec.chunk_size,
                                  kv_bytes_per_token=self.model.kv_bytes_per_token, **options)
-        self.controller = build_controller(strategy, opts, self.clock, self.perf.predicted_prefill_time,
-                                           statuses=self.status_of)
+        measured = measured_prefill_table(self.perf, spec.max_num_batched_tokens,  # what a live instance reports
+                                          token_counts=spec.profile_tokens)
+        self.controller = build_controller(strategy, opts, self.clock, measured.seconds, statuses=self.status_of)
         self.instances: list[SimInstance] = []
         for iid in sorted(self.controller.setups):
             setup = self.controller.setups[iid]

@@ -36,5 +36,5 @@ def test_the_router_mode_travels_one_way():
     with pytest.raises(ValueError, match="router_mode"):
         ControllerOptions(1.0, 0.1, router={"mode": "reference"})
     assert ControllerOptions(1.0, 0.1, router_mode="reference").router_config().holds_output
-    with pytest.raises(ValueError, match="fixed_interval, paper, reference"):
+    with pytest.raises(ValueError, match="fixed_interval, paper, paper-strict, reference"):
         RouterConfig(1.0, 0.1, mode="orca")

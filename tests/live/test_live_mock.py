@@ -75,3 +75,15 @@ def test_mitosis_by_hand(tiny_model, profile):
         assert r.status_code == 200
     finally:
         running.stop()
+
+
+def test_paper_strict_routes_live(tiny_model, profile):
+    """Algorithm 1 as printed, over real connections: every request served, windows move with no timer."""
+    running = start_strategy(tiny_model, "ecoserve", 4, mock_args(tiny_model, profile), ttft_slo=0.5, tpot_slo=0.1,
+                             router_mode="paper-strict")
+    try:
+        codes = asyncio.run(_load(running.url, rate=8.0, duration=10.0, max_tokens=24))
+        assert codes and all(c == 200 for c in codes)
+        assert sum(i["num_windows"] for i in running.cluster()) >= 2
+    finally:
+        running.stop()
