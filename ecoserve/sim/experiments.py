@@ -246,23 +246,33 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
     return data
 
 
-# (prompt-step overhead s, s per hybrid decode token) for eager (non-CUDA-graph) prompt steps in vLLM 0.7.3:
-# 5 ms from a published eager-vs-graph decode step gap, 15 / 30 ms from an earlier prototype of ours, 0.5 ms per
-# hybrid decode as a bracket (docs/reproduction.md, "Step-type costs").
-STEP_COSTS = ((0.0, 0.0), (0.005, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005))
+# (prompt-step overhead s, s per hybrid decode token, all-reduce call latency s or None for the link model),
+# from public measurements (docs/step_costs.md): 2 ms + 10 us is the pick, 5 ms + 100 us the top of the evidence;
+# 20 us per all-reduce is NCCL over PCIe inside a CUDA graph, and the last point adds the eager calls'
+# extra ~30 us x 96 on prompt-carrying steps to their overhead.
+STEP_COSTS = ((0.0, 0.0, None), (0.002, 1e-5, None), (0.005, 1e-4, None), (0.002, 1e-5, 20e-6),
+              (0.005, 1e-5, 20e-6))
+
+
+def _step_cost_key(overhead: float, hybrid: float, allreduce: float | None) -> str:
+    key = f"{overhead * 1e3:g}ms+{hybrid * 1e6:g}us/dec"
+    return key if allreduce is None else f"{key}+AR {allreduce * 1e6:g}us"
 
 
 @EXPERIMENTS.register("stepcost")
 def step_cost_sweep(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
                     strategies=("vllm", "sarathi", "ecoserve", "ecoserve_ref"), costs=STEP_COSTS) -> dict:
-    """P90 goodput as steps that carry prompt tokens cost more (`StepTypeCosts`), for each series."""
+    """P90 goodput as steps that carry prompt tokens cost more (`StepTypeCosts`) and as all-reduce calls
+    cost their measured latency, for each series."""
     res = {}
-    for overhead, hybrid in costs:
-        key = f"{overhead * 1e3:g}ms+{hybrid * 1e3:g}ms/dec"
-        spec = l20_spec(model, perf_knobs={"step_costs": {"prompt_step_overhead_s": overhead,
-                                                          "hybrid_decode_token_s": hybrid}})
+    for overhead, hybrid, allreduce in costs:
+        key = _step_cost_key(overhead, hybrid, allreduce)
+        knobs = {"step_costs": {"prompt_step_overhead_s": overhead, "hybrid_decode_token_s": hybrid}}
+        if allreduce is not None:
+            knobs["allreduce_latency_s"] = allreduce
+        spec = l20_spec(model, perf_knobs=knobs)
         res[key] = {s: _goodput_any(s, spec, dataset, num_requests=num_requests)["goodput"] for s in strategies}
-        print(f"{key:18s} " + " ".join(f"{s}={v:.1f}" for s, v in res[key].items()), flush=True)
+        print(f"{key:24s} " + " ".join(f"{s}={v:.1f}" for s, v in res[key].items()), flush=True)
     data = {"model": model, "dataset": dataset, "goodput_p90": res}
     _save(out, "stepcost", data)
     _bar_plot(out, "stepcost", res, "P90 goodput (req/s)")

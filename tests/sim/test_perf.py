@@ -73,3 +73,16 @@ def test_step_type_costs_charge_only_prompt_carrying_steps():
     assert costly.predicted_prefill_time(512) == pytest.approx(plain.predicted_prefill_time(512) + 0.015)
     with pytest.raises(ValueError, match=">= 0"):
         StepTypeCosts(prompt_step_overhead_s=-1.0)
+
+
+def test_allreduce_latency_knob_sets_the_per_call_cost():
+    """A measured per-call latency replaces the link's 2(tp-1) hops: 96 calls per CodeLlama-34B step."""
+    work = StepWork(64, 64, 64, 64 * 1000, 64 * 1000, 0)
+    ring = make_perf("codellama-34b", "L20", tp=4)
+    measured = make_perf("codellama-34b", "L20", tp=4, allreduce_latency_s=50e-6)
+    calls = 2 * 48
+    assert measured.work_time(work) - ring.work_time(work) == pytest.approx(calls * (50e-6 - 12e-6), rel=1e-6)
+    single = make_perf("codellama-34b", "L20", tp=1, allreduce_latency_s=50e-6)
+    assert single.work_time(work) == pytest.approx(make_perf("codellama-34b", "L20", tp=1).work_time(work))
+    with pytest.raises(ValueError):
+        make_perf("codellama-34b", "L20", tp=4, allreduce_latency_s=-1e-6)
