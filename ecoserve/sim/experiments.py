@@ -247,11 +247,10 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
 
 
 # (prompt-step overhead s, s per hybrid decode token, all-reduce call latency s or None for the link model),
-# from public measurements (docs/step_costs.md): 2 ms + 10 us is the pick, 5 ms + 100 us the top of the evidence;
-# 20 us per all-reduce is NCCL over PCIe inside a CUDA graph, and the last point adds the eager calls'
-# extra ~30 us x 96 on prompt-carrying steps to their overhead.
-STEP_COSTS = ((0.0, 0.0, None), (0.002, 1e-5, None), (0.005, 1e-4, None), (0.002, 1e-5, 20e-6),
-              (0.005, 1e-5, 20e-6))
+# from public measurements (docs/step_costs.md), most telling first: the plain model; the pick (20 us per
+# NCCL all-reduce over PCIe as in a CUDA graph, eager prompt steps 2 ms of launches plus ~30 us more on each of
+# their 96 all-reduces, 10 us per hybrid decode); the step-type pick alone; the top of the evidence.
+STEP_COSTS = ((0.0, 0.0, None), (0.005, 1e-5, 20e-6), (0.002, 1e-5, None), (0.005, 1e-4, None))
 
 
 def _step_cost_key(overhead: float, hybrid: float, allreduce: float | None) -> str:
@@ -273,8 +272,8 @@ def step_cost_sweep(out: Path, model="codellama-34b", dataset="sharegpt", num_re
         spec = l20_spec(model, perf_knobs=knobs)
         res[key] = {s: _goodput_any(s, spec, dataset, num_requests=num_requests)["goodput"] for s in strategies}
         print(f"{key:24s} " + " ".join(f"{s}={v:.1f}" for s, v in res[key].items()), flush=True)
-    data = {"model": model, "dataset": dataset, "goodput_p90": res}
-    _save(out, "stepcost", data)
+        data = {"model": model, "dataset": dataset, "goodput_p90": res}
+        _save(out, "stepcost", data)  # after each point: a long sweep keeps what it has
     _bar_plot(out, "stepcost", res, "P90 goodput (req/s)")
     return data
 
