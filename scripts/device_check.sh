@@ -1,10 +1,40 @@
 #!/usr/bin/env bash
-# CUDA/NCCL check of the parallel engine: TP/PP correctness tests on the GPU, then the simulator experiment.
-# Usage: scripts/device_check.sh [OUT_DIR]
+# CUDA/NCCL check of the parallel engine: a step profile of our engine (prefill, decode and hybrid
+# steps by tokens), TP/PP correctness tests on the GPU, then the simulator experiment.
+# Usage: scripts/device_check.sh [OUT_DIR] [DEVICE=cuda]
+#   DEVICE=cpu runs only the step profile (on a tiny model), to check the script path without a GPU.
 set -euo pipefail
 OUT=${1:-${OUT:-results/device_check}}
+DEVICE=${2:-cuda}
 mkdir -p "$OUT"
 PY=${PY:-.venv/bin/python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# Step profile: a random-weight Llama built here (no downloads), timed by scripts/profile_steps.py.
+# On CUDA a ~90M-parameter model (8 layers, hidden 1024) so kernels are not all launch overhead;
+# on CPU the tests' tiny model. Prints steps.csv and step_costs.json (StepTypeCosts estimates).
+steps_out="$OUT/profile_steps"
+model_dir="$OUT/step_model"
+timeout 120 "$PY" - "$model_dir" "$DEVICE" <<'PY'
+import sys
+from tests.utils import make_tiny_checkpoint
+
+path, device = sys.argv[1], sys.argv[2]
+size = (dict(num_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+             num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+        if device != "cpu" else dict(num_layers=2))
+print("step model:", make_tiny_checkpoint(path, **size), size)
+PY
+# On CPU the run checks the path, not timings: few reps, short contexts, no native-kernel build.
+if [ "$DEVICE" = cpu ]; then args=(--dtype float32 --reps 1 --context 16); export ECOSERVE_NO_NATIVE=1
+else args=(--dtype bfloat16 --reps 9); fi
+timeout "${STEP_TIMEOUT:-300}" "$PY" scripts/profile_steps.py --model "$model_dir" --device "$DEVICE" "${args[@]}" \
+    --out "$steps_out" 2>&1 | tee "$OUT/profile_steps.txt"
+echo "== $steps_out/steps.csv"; cat "$steps_out/steps.csv"
+echo "== $steps_out/step_costs.json"; cat "$steps_out/step_costs.json"; echo
+rm -rf "$model_dir"
+[ "$DEVICE" = cpu ] && exit 0
+
 nvidia-smi -L | tee "$OUT/gpus.txt"
 # the CPU (gloo) tests, then TP=2 and PP=2 on cuda (NCCL, picked from the device) against one GPU
 timeout 300 "$PY" -m pytest -q tests/distributed tests/model/test_parallel_shards.py 2>&1 | tee "$OUT/tests.txt"

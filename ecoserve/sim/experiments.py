@@ -369,28 +369,38 @@ def ablations(out: Path, models=("codellama-34b",), dataset="sharegpt", num_requ
     return data
 
 
-# (prompt-step overhead s, s per hybrid decode token) for eager (non-CUDA-graph) prompt steps in vLLM 0.7.3:
-# 5 ms from a published eager-vs-graph decode step gap, 15 / 30 ms from an earlier prototype of ours, 0.5 ms per
-# hybrid decode as a bracket (docs/reproduction.md, "Step-type costs").
-STEP_COSTS = ((0.0, 0.0), (0.005, 0.0), (0.015, 0.0), (0.030, 0.0), (0.015, 0.0005))
+# (prompt-step overhead s, s per hybrid decode token, all-reduce call latency s or None for the link model),
+# from public measurements (docs/step_costs.md), most telling first: the plain model; the pick (20 us per
+# NCCL all-reduce over PCIe as in a CUDA graph, eager prompt steps 2 ms of launches plus ~30 us more on each of
+# their 96 all-reduces, 10 us per hybrid decode); the step-type pick alone; the top of the evidence.
+STEP_COSTS = ((0.0, 0.0, None), (0.005, 1e-5, 20e-6), (0.002, 1e-5, None), (0.005, 1e-4, None))
+
+
+def _step_cost_key(overhead: float, hybrid: float, allreduce: float | None) -> str:
+    key = f"{overhead * 1e3:g}ms+{hybrid * 1e6:g}us/dec"
+    return key if allreduce is None else f"{key}+AR {allreduce * 1e6:g}us"
 
 
 @EXPERIMENTS.register("stepcost")
 def step_cost_sweep(out: Path, model="codellama-34b", dataset="sharegpt", num_requests=400,
                     strategies=("vllm", "sarathi", "ecoserve", "ecoserve_ref"), costs=STEP_COSTS) -> dict:
-    """Goodput as steps that carry prompt tokens cost more (`StepTypeCosts`), for each series."""
+    """Goodput as steps that carry prompt tokens cost more (`StepTypeCosts`) and as all-reduce calls
+    cost their measured latency, for each series; the JSON is saved after each point (a long sweep keeps
+    what it has)."""
     res = {}
-    for overhead, hybrid in costs:
-        key = f"{overhead * 1e3:g}ms+{hybrid * 1e3:g}ms/dec"
-        spec = l20_spec(model, perf_knobs={"step_costs": {"prompt_step_overhead_s": overhead,
-                                                          "hybrid_decode_token_s": hybrid}})
+    for overhead, hybrid, allreduce in costs:
+        key = _step_cost_key(overhead, hybrid, allreduce)
+        knobs = {"step_costs": {"prompt_step_overhead_s": overhead, "hybrid_decode_token_s": hybrid}}
+        if allreduce is not None:
+            knobs["allreduce_latency_s"] = allreduce
+        spec = l20_spec(model, perf_knobs=knobs)
         res[key] = {}
         for s in strategies:
             res[key][s] = _timed(s, spec, dataset, num_requests=num_requests)
             print(_line(f"{key} {s}", res[key][s]), flush=True)
-    g = _compact(res)
-    data = {"model": model, "dataset": dataset, **_grid(), "goodput": g, "results": res}
-    _save(out, "stepcost", data)
+        g = _compact(res)
+        data = {"model": model, "dataset": dataset, **_grid(), "goodput": g, "results": res}
+        _save(out, "stepcost", data)
     _bar_plot(out, "stepcost", {k: {s: v[s]["p90"]["monotone"] for s in v} for k, v in g.items()},
               "P90 goodput (req/s), monotone")
     return data

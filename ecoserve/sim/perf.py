@@ -89,11 +89,16 @@ class RooflinePerf(_Base):
     token_tile: int = 128  # GEMM row tile; token counts round up to it ...
     small_tile: int = 16  # ... except skinny batches (<= small_tile tokens), which run as GEMV-like kernels
     tp_efficiency: float = 1.0  # extra knob for TP scaling losses beyond the all-reduce
+    # Fixed cost of one TP all-reduce call (NCCL over PCIe measures 20-60 us at TP=4); None: the
+    # link's ring model, 2(tp-1) hops of its latency (12 us at TP=4 on `pcie4`).
+    allreduce_latency_s: float | None = None
     step_costs: StepTypeCosts = StepTypeCosts()
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if self.allreduce_latency_s is not None and self.allreduce_latency_s < 0:
+            raise ValueError(f"allreduce_latency_s must be >= 0, got {self.allreduce_latency_s}")
         if self.link is None:
             self.link = get_link(self.gpu.intra_node_link)
         if self.pp_link is None:
@@ -127,7 +132,10 @@ class RooflinePerf(_Base):
         p = self.overlap_p
         t = (t_compute ** p + t_memory ** p) ** (1.0 / p) if math.isfinite(p) else max(t_compute, t_memory)
         if self.tp > 1:  # two all-reduces per layer of the step's activations
-            t += 2 * m.num_layers * allreduce_time(w.num_tokens * self._act_bytes_per_token, self.tp, self.link)
+            per_call = allreduce_time(w.num_tokens * self._act_bytes_per_token, self.tp, self.link)
+            if self.allreduce_latency_s is not None:
+                per_call += self.allreduce_latency_s - 2 * (self.tp - 1) * self.link.latency
+            t += 2 * m.num_layers * per_call
         if self.pp > 1:
             lk = self.pp_link
             t += (self.pp - 1) * (lk.latency + w.num_tokens * self._act_bytes_per_token / (lk.bandwidth * lk.efficiency))

@@ -73,3 +73,31 @@ def test_step_type_costs_charge_only_prompt_carrying_steps():
     assert costly.predicted_prefill_time(512) == pytest.approx(plain.predicted_prefill_time(512) + 0.015)
     with pytest.raises(ValueError, match=">= 0"):
         StepTypeCosts(prompt_step_overhead_s=-1.0)
+
+
+def test_allreduce_latency_knob_sets_the_per_call_cost():
+    """A measured per-call latency replaces the link's 2(tp-1) hops: 96 calls per CodeLlama-34B step."""
+    work = StepWork(64, 64, 64, 64 * 1000, 64 * 1000, 0)
+    ring = make_perf("codellama-34b", "L20", tp=4)
+    measured = make_perf("codellama-34b", "L20", tp=4, allreduce_latency_s=50e-6)
+    calls = 2 * 48
+    assert measured.work_time(work) - ring.work_time(work) == pytest.approx(calls * (50e-6 - 12e-6), rel=1e-6)
+    single = make_perf("codellama-34b", "L20", tp=1, allreduce_latency_s=50e-6)
+    assert single.work_time(work) == pytest.approx(make_perf("codellama-34b", "L20", tp=1).work_time(work))
+    with pytest.raises(ValueError):
+        make_perf("codellama-34b", "L20", tp=4, allreduce_latency_s=-1e-6)
+
+
+def test_step_cost_points_build_models_and_name_their_all_reduce():
+    from ecoserve.sim.experiments import STEP_COSTS, _step_cost_key
+
+    work = StepWork(512, 33, 33, 480 * 481 / 2 + 32 * 1000, 480 + 32 * 1000, 480)
+    plain = make_perf("codellama-34b", "L20", tp=4).work_time(work)
+    for overhead, hybrid, allreduce in STEP_COSTS:
+        knobs = {"step_costs": {"prompt_step_overhead_s": overhead, "hybrid_decode_token_s": hybrid}}
+        if allreduce is not None:
+            knobs["allreduce_latency_s"] = allreduce
+        t = make_perf("codellama-34b", "L20", tp=4, **knobs).work_time(work)
+        assert t >= plain + overhead + 32 * hybrid - 1e-9
+        assert ("AR" in _step_cost_key(overhead, hybrid, allreduce)) == (allreduce is not None)
+    assert _step_cost_key(0.005, 1e-5, 20e-6) == "5ms+10us/dec+AR 20us"
