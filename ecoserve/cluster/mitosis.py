@@ -17,6 +17,10 @@ leaves open, as taken here:
   The instance comes from the smallest macro instance above N_l, else from the largest; it drains
   (finishes its requests, receives nothing) and then returns to the free pool.
 - Merge two macro instances whenever together they hold at most N_u (smallest two first).
+- A macro instance with no TTFT evidence (the caller's `mean_ttft` lacks it: nothing it routed
+  finished in the window and nothing waits in its router) neither expands nor contracts, however
+  much TPOT slack its decoding requests banked: contracting needs a measured TTFT under the margin,
+  so a macro instance that has just split off, or sits idle, cannot collapse a split.
 - `cooldown_s` between actions on the same macro instance keeps one signal from firing twice.
 Moving an instance moves only its handle: its requests stay on it, so no request is lost.
 """
@@ -63,14 +67,18 @@ class MitosisController:
         return now - self._last_action.get(macro, -1e18) < self.config.cooldown_s
 
     def step(self, now: float, mean_ttft: dict[int, float], saved_tpot: dict[int, float | None]) -> list[Scale]:
-        """One control decision per macro instance; returns the actions applied to the topology."""
+        """One control decision per macro instance; returns the actions applied to the topology.
+
+        A macro instance missing from `mean_ttft` has no TTFT evidence and takes no action."""
         actions: list[Scale] = []
         for m in sorted(self.macros):
             if m not in self.macros or self._cooling(m, now):
                 continue
             n = len(self.macros[m])
-            ttft = mean_ttft.get(m, 0.0)
-            if ttft > self.config.ttft_slo:
+            ttft = mean_ttft.get(m)
+            if ttft is None:
+                act = None  # no evidence: an idle macro instance is neither hot nor cold
+            elif ttft > self.config.ttft_slo:
                 act = self.expand(m)
             elif ttft >= self.config.contract_below_ttft * self.config.ttft_slo:
                 act = None  # between the triggers: keep the size

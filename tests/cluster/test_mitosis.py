@@ -62,7 +62,7 @@ def test_no_contraction_while_ttft_is_near_its_slo():
 
 def test_released_instances_return_to_pool():
     c = ctl(sizes=(8,), free=0)
-    iid = c.step(0, {}, {0: 99.0})[0].instances[0]
+    iid = c.step(0, {0: COLD}, {0: 99.0})[0].instances[0]
     assert iid in c.topology.draining and iid not in c.macros[0]
     c.release(iid)
     assert iid in c.topology.free and iid not in c.topology.draining
