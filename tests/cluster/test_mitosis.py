@@ -1,8 +1,14 @@
-"""Mitosis invariants: bounds, split/merge lose nothing, drained instances get nothing new."""
+"""Mitosis invariants (bounds, split/merge lose nothing, drained instances get nothing new) and the TTFT
+evidence the PaDG controller feeds it."""
 from hypothesis import given, settings, strategies as st
 import pytest
 
-from ecoserve.cluster import MacroTopology, MitosisConfig, MitosisController
+from ecoserve.clock import VirtualClock
+from ecoserve.cluster import (ControllerOptions, MacroTopology, MitosisConfig, MitosisController, RequestState,
+                              build_controller)
+from ecoserve.cluster.events import Dispatch, RequestArrived, RequestFinished, Scale, TimerFired
+
+from tests.cluster.test_controllers import FakeFleet
 
 HOT, COLD = 10.0, 0.0  # mean TTFT over / under the 5 s SLO
 
@@ -91,3 +97,67 @@ def test_invariants_under_random_signals(signals):
         assert sorted(ids) == list(range(total))  # nothing lost or duplicated
         assert all(1 <= len(v) <= 6 for v in c.macros.values())
         assert not c.topology.draining & {i for v in c.macros.values() for i in v}
+
+
+def test_no_ttft_evidence_neither_expands_nor_contracts():
+    """A macro instance missing from the TTFT means (idle: nothing finished, nothing waiting) keeps its size
+    whatever slack it banked; one with evidence next to it still acts."""
+    c = ctl(sizes=(6, 6), free=4)
+    assert c.step(0, {}, {0: 99.0, 1: 99.0}) == []
+    acts = c.step(1, {1: HOT}, {0: 99.0, 1: 0.0})
+    assert [(a.kind, a.macro) for a in acts] == [("add", 1)]
+
+
+# ---- the PaDG controller's TTFT signal ----------------------------------------------------------
+
+def padg(fleet, clock, sizes=(2, 2), total=6, **mitosis):
+    opts = ControllerOptions(1.0, 0.1, num_instances=sum(sizes), total_instances=total, macro_sizes=sizes,
+                             mitosis_period=1.0, ttft_window=10.0,
+                             mitosis=dict(n_lower=2, n_upper=3, cooldown_s=0.0, **mitosis))
+    return build_controller("ecoserve", opts, clock, lambda n: n / 1000, statuses=fleet.status)
+
+
+def route(c, fleet, rid, clock):
+    acts = fleet.apply(c.handle(RequestArrived(rid, 10, 5, clock.now())))
+    return next(a.instance_id for a in acts if isinstance(a, Dispatch))
+
+
+def test_ttft_samples_count_for_the_macro_that_routed_them():
+    """Hot TTFTs of macro 1's requests expand macro 1; macro 0, whose requests decode with ample slack but
+    have not finished, has no evidence and does not contract (a 0 TTFT there would have drained it)."""
+    clock = VirtualClock()
+    fleet = FakeFleet(clock)
+    c = padg(fleet, clock)
+    fleet.apply(c.start())
+    macro_of = {i: m for m, v in c.topology().macros.items() for i in v}
+    where = {f"r{k}": route(c, fleet, f"r{k}", clock) for k in range(8)}
+    assert {macro_of[i] for i in where.values()} == {0, 1}
+    for rid, iid in where.items():
+        if macro_of[iid] == 1:
+            del fleet.reqs[iid][rid]
+            c.handle(RequestFinished(rid, iid, 10.0))  # over the 1 s SLO
+        else:  # still decoding, with plenty of slack
+            fleet.reqs[iid][rid] = fleet.reqs[iid][rid]._replace(first_token_time=0.0, num_output_tokens=10_000)
+    clock.advance_to(1.0)
+    scales = [a for a in c.handle(TimerFired("mitosis")) if isinstance(a, Scale)]
+    assert [(a.kind, a.macro) for a in scales] == [("add", 1)]
+
+
+def test_merge_hands_the_gone_macros_samples_to_the_keeper():
+    clock = VirtualClock()
+    fleet = FakeFleet(clock)
+    c = padg(fleet, clock)
+    fleet.apply(c.start())
+    macro_of = {i: m for m, v in c.topology().macros.items() for i in v}
+    where = {f"r{k}": route(c, fleet, f"r{k}", clock) for k in range(8)}
+    for rid, iid in where.items():
+        if macro_of[iid] == 0:  # macro 0: fast TTFTs and slack to spare, so it contracts
+            del fleet.reqs[iid][rid]
+            c.handle(RequestFinished(rid, iid, 0.01))
+    for iid in c.topology().macros[0]:
+        fleet.reqs.setdefault(iid, {})[f"seed{iid}"] = RequestState(f"seed{iid}", 0.0, 10, 0.0, 10_000)
+    clock.advance_to(1.0)
+    kinds = [(a.kind, a.macro, a.other) for a in c.handle(TimerFired("mitosis")) if isinstance(a, Scale)]
+    assert ("merge", 1, 0) in kinds and list(c.topology().macros) == [1]
+    assert {m for _, m, _ in c._recent} == {1}  # macro 0's evidence now speaks for the keeper
+    assert set(c._macro_of_request.values()) <= {1}
