@@ -14,8 +14,9 @@ leaves open, as taken here:
   triggers no precedence, and under load the slack banked by long outputs stays above the range while
   TTFT sits just under its SLO, so without this margin a macro instance contracts right after it
   expanded and overloads again (measured: docs/reproduction.md, "Dynamic mitosis"); 1.0 disables it.
-  The instance comes from the smallest macro instance above N_l, else from the largest; it drains
-  (finishes its requests, receives nothing) and then returns to the free pool.
+  The instance comes from the smallest macro instance above N_l, else from the largest, among the
+  macro instances whose own mean TTFT is under that margin (a cold one never shrinks a hot one); it
+  drains (finishes its requests, receives nothing) and then returns to the free pool.
 - Merge two macro instances whenever together they hold at most N_u (smallest two first).
 - A macro instance with no TTFT evidence (the caller's `mean_ttft` lacks it: nothing it routed
   finished in the window and nothing waits in its router) neither expands nor contracts, however
@@ -71,6 +72,8 @@ class MitosisController:
 
         A macro instance missing from `mean_ttft` has no TTFT evidence and takes no action."""
         actions: list[Scale] = []
+        margin = self.config.contract_below_ttft * self.config.ttft_slo
+        cold = {m for m, v in mean_ttft.items() if v < margin}
         for m in sorted(self.macros):
             if m not in self.macros or self._cooling(m, now):
                 continue
@@ -80,12 +83,12 @@ class MitosisController:
                 act = None  # no evidence: an idle macro instance is neither hot nor cold
             elif ttft > self.config.ttft_slo:
                 act = self.expand(m)
-            elif ttft >= self.config.contract_below_ttft * self.config.ttft_slo:
+            elif ttft >= margin:
                 act = None  # between the triggers: keep the size
             else:
                 saved = saved_tpot.get(m)
                 limit = self.config.contract_factor * self.config.ttft_slo * (n + 1) / n
-                act = self.contract() if saved is not None and saved > limit else None
+                act = self.contract(cold) if saved is not None and saved > limit else None
             if act:
                 actions.extend(act)
                 for a in act:
@@ -110,15 +113,17 @@ class MitosisController:
         self.macros[new] = [*moved, iid]
         return [Scale("split", m, (iid, *moved), other=new)]
 
-    def contract(self) -> list[Scale]:
+    def contract(self, donors: set[int] | None = None) -> list[Scale]:
+        """Drain one instance from a donor (default: any macro instance), then merge what fits in N_u."""
         nl = self.config.n_lower
-        above = [m for m in self.macros if len(self.macros[m]) > nl]
+        pool = [m for m in self.macros if donors is None or m in donors]
+        above = [m for m in pool if len(self.macros[m]) > nl]
         if above:
             m = min(above, key=lambda k: (len(self.macros[k]), k))
         else:
-            if len(self.macros) <= 1 or all(len(v) <= 1 for v in self.macros.values()):
+            if len(self.macros) <= 1 or not pool:
                 return []
-            m = max(self.macros, key=lambda k: (len(self.macros[k]), -k))
+            m = max(pool, key=lambda k: (len(self.macros[k]), -k))
             if len(self.macros[m]) <= 1:
                 return []
         return [self.drain(m)] + self.merge_small()

@@ -161,3 +161,12 @@ def test_merge_hands_the_gone_macros_samples_to_the_keeper():
     assert ("merge", 1, 0) in kinds and list(c.topology().macros) == [1]
     assert {m for _, m, _ in c._recent} == {1}  # macro 0's evidence now speaks for the keeper
     assert set(c._macro_of_request.values()) <= {1}
+
+
+def test_a_cold_macro_never_shrinks_a_hot_one():
+    """Macro 1 is cold with slack to spare; macro 0 is larger but over its SLO: the drained instance comes
+    from macro 1, not from the largest macro instance."""
+    c = ctl(sizes=(7, 6), free=0, n_lower=6, n_upper=13)
+    acts = c.step(0, {0: 4.0, 1: COLD}, {0: 0.0, 1: 99.0})
+    assert [(a.kind, a.macro) for a in acts][:1] == [("drain", 1)]
+    assert c.topology.draining == {12}  # macro 1's newest (it held 7..12); macro 0 keeps all of 0..6
