@@ -15,7 +15,8 @@ leaves open, as taken here:
   TTFT sits just under its SLO, so without this margin a macro instance contracts right after it
   expanded and overloads again (measured: docs/reproduction.md, "Dynamic mitosis"); 1.0 disables it.
   The instance comes from the smallest macro instance above N_l, else from the largest, among the
-  macro instances whose own mean TTFT is under that margin (a cold one never shrinks a hot one); it
+  macro instances whose own mean TTFT is under that margin (a cold one never shrinks a hot one); one
+  at N_l gives an instance only if it then merges with the smallest other (none stays below N_l); it
   drains (finishes its requests, receives nothing) and then returns to the free pool.
 - Merge two macro instances whenever together they hold at most N_u (smallest two first).
 - A macro instance with no TTFT evidence (the caller's `mean_ttft` lacks it: nothing it routed
@@ -124,8 +125,9 @@ class MitosisController:
             if len(self.macros) <= 1 or not pool:
                 return []
             m = max(pool, key=lambda k: (len(self.macros[k]), -k))
-            if len(self.macros[m]) <= 1:
-                return []
+            smallest_other = min(len(v) for k, v in self.macros.items() if k != m)
+            if len(self.macros[m]) <= 1 or len(self.macros[m]) - 1 + smallest_other > self.config.n_upper:
+                return []  # it would stay below N_l: only drain at N_l when the merge follows
         return [self.drain(m)] + self.merge_small()
 
     def drain(self, m: int) -> Scale:

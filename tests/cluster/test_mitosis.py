@@ -96,6 +96,8 @@ def test_invariants_under_random_signals(signals):
         ids = all_ids(c)
         assert sorted(ids) == list(range(total))  # nothing lost or duplicated
         assert all(1 <= len(v) <= 6 for v in c.macros.values())
+        if len(c.macros) > 1:  # a split leaves both at N_l or more; a contraction below N_l merges
+            assert all(len(v) >= 3 for v in c.macros.values()), c.macros
         assert not c.topology.draining & {i for v in c.macros.values() for i in v}
 
 
@@ -170,3 +172,11 @@ def test_a_cold_macro_never_shrinks_a_hot_one():
     acts = c.step(0, {0: 4.0, 1: COLD}, {0: 0.0, 1: 99.0})
     assert [(a.kind, a.macro) for a in acts][:1] == [("drain", 1)]
     assert c.topology.draining == {12}  # macro 1's newest (it held 7..12); macro 0 keeps all of 0..6
+
+
+def test_a_cold_macro_at_lower_bound_gives_an_instance_only_if_it_merges():
+    c = ctl(sizes=(7, 6), free=0, n_lower=6, n_upper=11)
+    assert c.step(0, {0: 4.0, 1: COLD}, {0: 0.0, 1: 99.0}) == []  # 5 + 7 > 11: it would stay at 5
+    c = ctl(sizes=(6, 6), free=0, n_lower=6, n_upper=11)
+    kinds = [a.kind for a in c.step(0, {0: 4.0, 1: COLD}, {0: 0.0, 1: 99.0})]
+    assert kinds == ["drain", "merge"] and sorted(len(v) for v in c.macros.values()) == [11]
