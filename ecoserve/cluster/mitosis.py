@@ -14,9 +14,15 @@ leaves open, as taken here:
   triggers no precedence, and under load the slack banked by long outputs stays above the range while
   TTFT sits just under its SLO, so without this margin a macro instance contracts right after it
   expanded and overloads again (measured: docs/reproduction.md, "Dynamic mitosis"); 1.0 disables it.
-  The instance comes from the smallest macro instance above N_l, else from the largest; it drains
-  (finishes its requests, receives nothing) and then returns to the free pool.
+  The instance comes from the smallest macro instance above N_l, else from the largest, among the
+  macro instances whose own mean TTFT is under that margin (a cold one never shrinks a hot one); one
+  at N_l gives an instance only if it then merges with the smallest other (none stays below N_l); it
+  drains (finishes its requests, receives nothing) and then returns to the free pool.
 - Merge two macro instances whenever together they hold at most N_u (smallest two first).
+- A macro instance with no TTFT evidence (the caller's `mean_ttft` lacks it: nothing it routed
+  finished in the window and nothing waits in its router) neither expands nor contracts, however
+  much TPOT slack its decoding requests banked: contracting needs a measured TTFT under the margin,
+  so a macro instance that has just split off, or sits idle, cannot collapse a split.
 - `cooldown_s` between actions on the same macro instance keeps one signal from firing twice.
 Moving an instance moves only its handle: its requests stay on it, so no request is lost.
 """
@@ -63,21 +69,27 @@ class MitosisController:
         return now - self._last_action.get(macro, -1e18) < self.config.cooldown_s
 
     def step(self, now: float, mean_ttft: dict[int, float], saved_tpot: dict[int, float | None]) -> list[Scale]:
-        """One control decision per macro instance; returns the actions applied to the topology."""
+        """One control decision per macro instance; returns the actions applied to the topology.
+
+        A macro instance missing from `mean_ttft` has no TTFT evidence and takes no action."""
         actions: list[Scale] = []
+        margin = self.config.contract_below_ttft * self.config.ttft_slo
+        cold = {m for m, v in mean_ttft.items() if v < margin}
         for m in sorted(self.macros):
             if m not in self.macros or self._cooling(m, now):
                 continue
             n = len(self.macros[m])
-            ttft = mean_ttft.get(m, 0.0)
-            if ttft > self.config.ttft_slo:
+            ttft = mean_ttft.get(m)
+            if ttft is None:
+                act = None  # no evidence: an idle macro instance is neither hot nor cold
+            elif ttft > self.config.ttft_slo:
                 act = self.expand(m)
-            elif ttft >= self.config.contract_below_ttft * self.config.ttft_slo:
+            elif ttft >= margin:
                 act = None  # between the triggers: keep the size
             else:
                 saved = saved_tpot.get(m)
                 limit = self.config.contract_factor * self.config.ttft_slo * (n + 1) / n
-                act = self.contract() if saved is not None and saved > limit else None
+                act = self.contract(cold) if saved is not None and saved > limit else None
             if act:
                 actions.extend(act)
                 for a in act:
@@ -102,17 +114,20 @@ class MitosisController:
         self.macros[new] = [*moved, iid]
         return [Scale("split", m, (iid, *moved), other=new)]
 
-    def contract(self) -> list[Scale]:
+    def contract(self, donors: set[int] | None = None) -> list[Scale]:
+        """Drain one instance from a donor (default: any macro instance), then merge what fits in N_u."""
         nl = self.config.n_lower
-        above = [m for m in self.macros if len(self.macros[m]) > nl]
+        pool = [m for m in self.macros if donors is None or m in donors]
+        above = [m for m in pool if len(self.macros[m]) > nl]
         if above:
             m = min(above, key=lambda k: (len(self.macros[k]), k))
         else:
-            if len(self.macros) <= 1 or all(len(v) <= 1 for v in self.macros.values()):
+            if len(self.macros) <= 1 or not pool:
                 return []
-            m = max(self.macros, key=lambda k: (len(self.macros[k]), -k))
-            if len(self.macros[m]) <= 1:
-                return []
+            m = max(pool, key=lambda k: (len(self.macros[k]), -k))
+            smallest_other = min(len(v) for k, v in self.macros.items() if k != m)
+            if len(self.macros[m]) <= 1 or len(self.macros[m]) - 1 + smallest_other > self.config.n_upper:
+                return []  # it would stay below N_l: only drain at N_l when the merge follows
         return [self.drain(m)] + self.merge_small()
 
     def drain(self, m: int) -> Scale:

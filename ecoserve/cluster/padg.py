@@ -2,8 +2,9 @@
 
 Every instance runs the `temporal` policy; each macro instance's router opens and closes their
 windows (router.py). With mitosis, a periodic timer compares each macro instance's mean TTFT
-(requests finished in the last `ttft_window` seconds, plus the age of those still waiting in its
-router) and saved TPOT with the thresholds, and the topology changes are applied to the routers
+(the requests it routed that finished in the last `ttft_window` seconds, plus the age of those
+still waiting in its router; none of either: no TTFT evidence, see mitosis.py) and saved TPOT with
+the thresholds, and the topology changes are applied to the routers
 here and announced to the driver as `Scale` actions; drained instances are released once empty.
 The controller holds the one `MacroTopology` (the members of each macro instance, the free pool,
 the draining instances): mitosis changes it, the routers follow, `topology()` reads it.
@@ -51,7 +52,7 @@ class PaDGController(ControllerBase):
         self.layout = MacroTopology(members, free=list(range(start, total)))
         self.macros: dict[int, MacroInstance] = {m: MacroInstance(list(v), profile, router, macro_id=m)
                                                  for m, v in members.items()}  # the routers, one per macro
-        self.overall = OverallScheduler(self.macros)
+        self.overall = OverallScheduler(self.macros, status_of)
         self.mitosis = MitosisController(mitosis, self.layout) if mitosis is not None else None
         self.mitosis_period = mitosis_period
         self.ttft_window = ttft_window
@@ -112,8 +113,9 @@ class PaDGController(ControllerBase):
         if self.mitosis is not None:
             for a in acts:
                 if isinstance(a, Dispatch):
-                    mac = self.macro_of(a.instance_id)
-                    self._macro_of_request[a.request_id] = mac.macro_id if mac is not None else 0
+                    m = self.layout.macro_of(a.instance_id)
+                    if m is not None:  # outside every macro instance (draining, free): not counted
+                        self._macro_of_request[a.request_id] = m
         return acts
 
     def retry_pending(self) -> list[Action]:
@@ -133,8 +135,8 @@ class PaDGController(ControllerBase):
 
     def on_finished(self, e: RequestFinished) -> list[Action]:
         m = self._macro_of_request.pop(e.request_id, None)
-        if self.mitosis is not None and e.ttft is not None:
-            self._recent.append((self.clock.now(), m or 0, e.ttft))
+        if m is not None and e.ttft is not None:
+            self._recent.append((self.clock.now(), m, e.ttft))
         return []
 
     def on_timer(self, e: TimerFired) -> list[Action]:
@@ -220,4 +222,12 @@ class PaDGController(ControllerBase):
             for iid in gone.instances:
                 self.macros[a.macro].add_instance(iid)
             self.macros[a.macro].pending.extend(gone.pending)
+            self._move_samples(a.other, a.macro)
         return acts
+
+    def _move_samples(self, gone: int, keeper: int) -> None:
+        """A merged-away macro instance's TTFT evidence, finished and in flight, now speaks for the keeper."""
+        self._recent = deque((t, keeper if m == gone else m, v) for t, m, v in self._recent)
+        for rid, m in self._macro_of_request.items():
+            if m == gone:
+                self._macro_of_request[rid] = keeper

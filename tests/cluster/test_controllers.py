@@ -132,7 +132,7 @@ def test_padg_mitosis_add_split_drain_merge_never_loses_or_duplicates():
     clock = VirtualClock()
     fleet = FakeFleet(clock)
     c = build_controller("ecoserve", ControllerOptions(1.0, 0.1, num_instances=2, total_instances=6,
-                                                       macro_sizes=(2,), mitosis_period=1.0,
+                                                       macro_sizes=(2,), mitosis_period=1.0, ttft_window=3.0,
                                                        mitosis=dict(n_lower=2, n_upper=3, cooldown_s=0.0)),
                          clock, lambda n: n / 1000, statuses=fleet.status)
     start = c.start()

@@ -1,8 +1,14 @@
-"""Mitosis invariants: bounds, split/merge lose nothing, drained instances get nothing new."""
+"""Mitosis invariants (bounds, split/merge lose nothing, drained instances get nothing new) and the TTFT
+evidence the PaDG controller feeds it."""
 from hypothesis import given, settings, strategies as st
 import pytest
 
-from ecoserve.cluster import MacroTopology, MitosisConfig, MitosisController
+from ecoserve.clock import VirtualClock
+from ecoserve.cluster import (ControllerOptions, MacroTopology, MitosisConfig, MitosisController, RequestState,
+                              build_controller)
+from ecoserve.cluster.events import Dispatch, RequestArrived, RequestFinished, Scale, TimerFired
+
+from tests.cluster.test_controllers import FakeFleet
 
 HOT, COLD = 10.0, 0.0  # mean TTFT over / under the 5 s SLO
 
@@ -62,7 +68,7 @@ def test_no_contraction_while_ttft_is_near_its_slo():
 
 def test_released_instances_return_to_pool():
     c = ctl(sizes=(8,), free=0)
-    iid = c.step(0, {}, {0: 99.0})[0].instances[0]
+    iid = c.step(0, {0: COLD}, {0: 99.0})[0].instances[0]
     assert iid in c.topology.draining and iid not in c.macros[0]
     c.release(iid)
     assert iid in c.topology.free and iid not in c.topology.draining
@@ -90,4 +96,87 @@ def test_invariants_under_random_signals(signals):
         ids = all_ids(c)
         assert sorted(ids) == list(range(total))  # nothing lost or duplicated
         assert all(1 <= len(v) <= 6 for v in c.macros.values())
+        if len(c.macros) > 1:  # a split leaves both at N_l or more; a contraction below N_l merges
+            assert all(len(v) >= 3 for v in c.macros.values()), c.macros
         assert not c.topology.draining & {i for v in c.macros.values() for i in v}
+
+
+def test_no_ttft_evidence_neither_expands_nor_contracts():
+    """A macro instance missing from the TTFT means (idle: nothing finished, nothing waiting) keeps its size
+    whatever slack it banked; one with evidence next to it still acts."""
+    c = ctl(sizes=(6, 6), free=4)
+    assert c.step(0, {}, {0: 99.0, 1: 99.0}) == []
+    acts = c.step(1, {1: HOT}, {0: 99.0, 1: 0.0})
+    assert [(a.kind, a.macro) for a in acts] == [("add", 1)]
+
+
+# ---- the PaDG controller's TTFT signal ----------------------------------------------------------
+
+def padg(fleet, clock, sizes=(2, 2), total=6, **mitosis):
+    opts = ControllerOptions(1.0, 0.1, num_instances=sum(sizes), total_instances=total, macro_sizes=sizes,
+                             mitosis_period=1.0, ttft_window=10.0,
+                             mitosis=dict(n_lower=2, n_upper=3, cooldown_s=0.0, **mitosis))
+    return build_controller("ecoserve", opts, clock, lambda n: n / 1000, statuses=fleet.status)
+
+
+def route(c, fleet, rid, clock):
+    acts = fleet.apply(c.handle(RequestArrived(rid, 10, 5, clock.now())))
+    return next(a.instance_id for a in acts if isinstance(a, Dispatch))
+
+
+def test_ttft_samples_count_for_the_macro_that_routed_them():
+    """Hot TTFTs of macro 1's requests expand macro 1; macro 0, whose requests decode with ample slack but
+    have not finished, has no evidence and does not contract (a 0 TTFT there would have drained it)."""
+    clock = VirtualClock()
+    fleet = FakeFleet(clock)
+    c = padg(fleet, clock)
+    fleet.apply(c.start())
+    macro_of = {i: m for m, v in c.topology().macros.items() for i in v}
+    where = {f"r{k}": route(c, fleet, f"r{k}", clock) for k in range(8)}
+    assert {macro_of[i] for i in where.values()} == {0, 1}
+    for rid, iid in where.items():
+        if macro_of[iid] == 1:
+            del fleet.reqs[iid][rid]
+            c.handle(RequestFinished(rid, iid, 10.0))  # over the 1 s SLO
+        else:  # still decoding, with plenty of slack
+            fleet.reqs[iid][rid] = fleet.reqs[iid][rid]._replace(first_token_time=0.0, num_output_tokens=10_000)
+    clock.advance_to(1.0)
+    scales = [a for a in c.handle(TimerFired("mitosis")) if isinstance(a, Scale)]
+    assert [(a.kind, a.macro) for a in scales] == [("add", 1)]
+
+
+def test_merge_hands_the_gone_macros_samples_to_the_keeper():
+    clock = VirtualClock()
+    fleet = FakeFleet(clock)
+    c = padg(fleet, clock)
+    fleet.apply(c.start())
+    macro_of = {i: m for m, v in c.topology().macros.items() for i in v}
+    where = {f"r{k}": route(c, fleet, f"r{k}", clock) for k in range(8)}
+    for rid, iid in where.items():
+        if macro_of[iid] == 0:  # macro 0: fast TTFTs and slack to spare, so it contracts
+            del fleet.reqs[iid][rid]
+            c.handle(RequestFinished(rid, iid, 0.01))
+    for iid in c.topology().macros[0]:
+        fleet.reqs.setdefault(iid, {})[f"seed{iid}"] = RequestState(f"seed{iid}", 0.0, 10, 0.0, 10_000)
+    clock.advance_to(1.0)
+    kinds = [(a.kind, a.macro, a.other) for a in c.handle(TimerFired("mitosis")) if isinstance(a, Scale)]
+    assert ("merge", 1, 0) in kinds and list(c.topology().macros) == [1]
+    assert {m for _, m, _ in c._recent} == {1}  # macro 0's evidence now speaks for the keeper
+    assert set(c._macro_of_request.values()) <= {1}
+
+
+def test_a_cold_macro_never_shrinks_a_hot_one():
+    """Macro 1 is cold with slack to spare; macro 0 is larger but over its SLO: the drained instance comes
+    from macro 1, not from the largest macro instance."""
+    c = ctl(sizes=(7, 6), free=0, n_lower=6, n_upper=13)
+    acts = c.step(0, {0: 4.0, 1: COLD}, {0: 0.0, 1: 99.0})
+    assert [(a.kind, a.macro) for a in acts][:1] == [("drain", 1)]
+    assert c.topology.draining == {12}  # macro 1's newest (it held 7..12); macro 0 keeps all of 0..6
+
+
+def test_a_cold_macro_at_lower_bound_gives_an_instance_only_if_it_merges():
+    c = ctl(sizes=(7, 6), free=0, n_lower=6, n_upper=11)
+    assert c.step(0, {0: 4.0, 1: COLD}, {0: 0.0, 1: 99.0}) == []  # 5 + 7 > 11: it would stay at 5
+    c = ctl(sizes=(6, 6), free=0, n_lower=6, n_upper=11)
+    kinds = [a.kind for a in c.step(0, {0: 4.0, 1: COLD}, {0: 0.0, 1: 99.0})]
+    assert kinds == ["drain", "merge"] and sorted(len(v) for v in c.macros.values()) == [11]
