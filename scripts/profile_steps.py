@@ -41,7 +41,8 @@ def main() -> int:
     ap.add_argument("--context", type=ints, default=(256,), help="contexts of the decode rows (the first: hybrid)")
     ap.add_argument("--hybrid-prompts", type=ints, default=HYBRID_PROMPTS)
     ap.add_argument("--hybrid-decodes", type=ints, default=HYBRID_DECODES)
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=9, help="timed steps per point and pass")
+    ap.add_argument("--passes", type=int, default=1, help="passes over the whole grid (medians over all)")
     ap.add_argument("--out", default="results/profile_steps")
     a = ap.parse_args()
 
@@ -79,22 +80,22 @@ def main() -> int:
             add(context, 10_000)
         eng.step()  # their prompts, in one step
 
-    def prefill(n: int) -> float:
+    def prefill(n: int) -> list[float]:
         ts = []
         for _ in range(a.reps):
             add(n, 1)
             ts.append(timed())
             drain()
-        return statistics.median(ts)
+        return ts
 
-    def decode(b: int, context: int) -> float:
+    def decode(b: int, context: int) -> list[float]:
         decoders(b, context)
         ts = [timed() for _ in range(a.reps)]
         eng.abort_request([f"p{i}" for i in range(counter - b + 1, counter + 1)])
         drain()
-        return statistics.median(ts)
+        return ts
 
-    def hybrid(n: int, b: int) -> float:
+    def hybrid(n: int, b: int) -> list[float]:
         decoders(b, c0)
         ts = []
         for _ in range(a.reps):
@@ -102,31 +103,29 @@ def main() -> int:
             ts.append(timed())  # the new prompt and the b decodes in one chunked step
         eng.abort_request([f"p{i}" for i in range(counter - b - a.reps + 1, counter + 1)])
         drain()
-        return statistics.median(ts)
+        return ts
 
     prefill(64)  # warm-up (kernels, allocator, graphs)
     decode(8, c0)
-    rows, t_pre, t_dec = [], {}, {}
-    for n in lens:
-        t_pre[n] = prefill(n)
-        rows.append(("prefill", n, 0, 0, t_pre[n]))
-        print(f"prefill {n:5d} tokens {1e3 * t_pre[n]:8.1f} ms", flush=True)
     mean_ctx = {c: c + (a.reps + 1) // 2 for c in a.context}  # each timed step adds one token of context
-    for c in a.context:
-        for b in a.decode:
-            t_dec[b, c] = decode(b, c)
-            rows.append(("decode", 0, b, mean_ctx[c], t_dec[b, c]))
-            print(f"decode {b:4d} seqs x {mean_ctx[c]:5d} context {1e3 * t_dec[b, c]:8.1f} ms", flush=True)
-    hyb = []
-    for n in hybrid_prompts:
-        t_n = t_pre.get(n)
-        for b in a.hybrid_decodes:
-            t = hybrid(n, b)
-            rows.append(("hybrid", n, b, mean_ctx[c0], t))
-            print(f"hybrid {n:5d} tokens + {b:4d} decodes {1e3 * t:8.1f} ms", flush=True)
-            if t_n is not None and (b, c0) in t_dec and (1, c0) in t_dec:
-                hyb.append((t - t_n - (t_dec[b, c0] - t_dec[1, c0])) / b)
-    overhead = [t_pre[n] - t_dec[n, c0] for n in lens if (n, c0) in t_dec]
+    points = ([(("prefill", n, 0, 0), lambda n=n: prefill(n)) for n in lens]
+              + [(("decode", 0, b, mean_ctx[c]), lambda b=b, c=c: decode(b, c)) for c in a.context for b in a.decode]
+              + [(("hybrid", n, b, mean_ctx[c0]), lambda n=n, b=b: hybrid(n, b))
+                 for n in hybrid_prompts for b in a.hybrid_decodes])
+    samples: dict[tuple, list[float]] = {key: [] for key, _ in points}
+    for i in range(a.passes):  # whole passes over the grid: a burst of load spreads over many points
+        for key, measure in points:
+            samples[key] += measure()
+        print(f"pass {i + 1}/{a.passes} done", flush=True)
+    rows = [(*key, statistics.median(ts)) for key, ts in samples.items()]
+    for k, n, b, c, t in rows:
+        print(f"{k:8s} prompt {n:5d} decodes {b:4d} context {c:5d} {1e3 * t:8.1f} ms", flush=True)
+    t_pre = {n: t for k, n, _, _, t in rows if k == "prefill"}
+    t_dec = {(b, c): t for k, _, b, c, t in rows if k == "decode"}
+    c0m = mean_ctx[c0]
+    hyb = [(t - t_pre[n] - (t_dec[b, c0m] - t_dec[1, c0m])) / b for k, n, b, _, t in rows
+           if k == "hybrid" and n in t_pre and (b, c0m) in t_dec and (1, c0m) in t_dec]
+    overhead = [t_pre[n] - t_dec[n, c0m] for n in lens if (n, c0m) in t_dec]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "steps.csv").write_text("kind,prompt_tokens,decode_seqs,context,ms\n" + "".join(

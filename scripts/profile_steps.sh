@@ -5,7 +5,7 @@
 # Usage: scripts/profile_steps.sh MODEL_DIR|default [device=cuda] [dtype=bfloat16] [extra profile_steps.py args]
 #   GPU:  scripts/profile_steps.sh /models/llama-2-13b cuda bfloat16
 #   CPU:  scripts/profile_steps.sh default cpu float32   (the embedded SmolLM2, one torch thread, the grid
-#         of the live CPU cluster's workload: short prompts, decodes of up to 32 sequences)
+#         of the live CPU cluster's workload: short prompts, decodes of up to 16 sequences; 3 interleaved passes against CPU noise)
 # Then: ClusterSpec(profile="OUT/steps.csv"), or perf_knobs={"step_costs": {...}} from step_costs.json.
 set -euo pipefail
 MODEL="${1:?usage: scripts/profile_steps.sh MODEL_DIR|default [device] [dtype] [args...]}"
@@ -19,8 +19,8 @@ OUT="${OUT:-results/profile_steps}"
 else 'no CUDA device: run this on a GPU machine (or pass cpu as the device)')"
 GRID=()
 if [ "$DEVICE" = cpu ]; then
-    GRID=(--num-threads 1 --prefill 8,16,32,64,96,128,192,256,384,512 --decode 1,2,4,8,16,32
-          --context 48,112 --hybrid-prompts 32,96,256,480 --hybrid-decodes 1,4,16 --reps 5)
+    GRID=(--num-threads 1 --prefill 8,16,32,64,96,128,192,256,384,512 --decode 1,2,4,8,16
+          --context 48,112 --hybrid-prompts 32,128,480 --hybrid-decodes 1,4,16 --reps 3 --passes 3)
 fi
 timeout 1800 "$PY" scripts/profile_steps.py --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" \
     --out "$OUT" "${GRID[@]}" "$@"
