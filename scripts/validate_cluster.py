@@ -13,7 +13,7 @@
    per strategy live vs simulated TTFT and TPOT p50/p90 and attainment, absolute percentage errors,
    MAPE per metric and per strategy.
 
-    nice -n 0 python scripts/validate_cluster.py --out results/validate_cluster   # ~15 min, 2 cores
+    nice -n 0 python scripts/validate_cluster.py --out results/validate_cluster --profile-after  # ~12 min
 """
 from __future__ import annotations
 
@@ -128,6 +128,19 @@ def measure_profile(out: Path) -> Path:
     return out / "steps.csv"
 
 
+def mean_profile(paths: list[Path], out: Path) -> Path:
+    """The row-by-row mean of step profiles measured on one grid (before and after the live runs: the
+    machine's load drifts, the mean stands for the conditions in between)."""
+    tables = [p.read_text().splitlines() for p in paths]
+    keys = [[ln.rsplit(",", 1)[0] for ln in t] for t in tables]
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"profiles {paths} are not on one grid")
+    rows = [keys[0][i] + "," + f"{np.mean([float(t[i].rsplit(',', 1)[1]) for t in tables]):.3f}"
+            for i in range(1, len(keys[0]))]
+    out.write_text("\n".join([tables[0][0], *rows]) + "\n")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/validate_cluster")
@@ -139,13 +152,15 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--range-ratio", type=float, default=0.5)
-    p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
+    p.add_argument("--slo-ttft", type=float, default=0.3, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.07, help="seconds")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--router-mode", default="paper", help="ecoserve in the simulator (live: the serve default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-live", action="store_true", help="reuse OUT/real_S_rateR.json from an earlier run")
+    p.add_argument("--profile-after", action="store_true",
+                   help="measure a second profile after the live runs and simulate with the mean of both")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,9 +173,12 @@ def main() -> int:
     report: dict = {"args": vars(a), "cpu": cpu_model(), "nproc": os.cpu_count(), "load_avg_start": os.getloadavg(),
                     "strategies": {}, "errors": {}, "load_avg": {}}
     path = out / "validate_cluster.json"
-    profile = Path(a.profile) if a.profile else measure_profile(out / "profile")
+    profile = Path(a.profile) if a.profile else out / "profile" / "steps.csv"
+    if not a.profile and not (a.skip_live and profile.exists()):
+        measure_profile(out / "profile")
     report["profile"] = str(profile)
     report["load_avg"]["after_profile"] = os.getloadavg()
+    lives: dict[str, dict] = {}
     for s in strategies:
         name = out / f"real_{s}_rate{a.rate:g}.json"
         try:
@@ -170,13 +188,20 @@ def main() -> int:
                 run_server(a, s, a.num_instances, [a.rate], a.num_prompts, out)
                 print(f"live {s}: {time.monotonic() - t0:.0f} s", flush=True)
                 report["load_avg"][f"{s}_after"] = os.getloadavg()
-            live = live_metrics(json.loads(name.read_text()), a)
+            lives[s] = live_metrics(json.loads(name.read_text()), a)
         except (subprocess.SubprocessError, RuntimeError, OSError, ValueError) as e:
             report["errors"][s] = f"{type(e).__name__}: {e}"
             print(f"live {s} failed: {e} (see {out}/real_{s}.server.log)", flush=True)
-            continue
-        report["strategies"][s] = compare(live, simulate(a, s, profile))
         path.write_text(json.dumps(report, indent=1))
+    if a.profile_after:
+        after = out / "profile_after" / "steps.csv"
+        if not (a.skip_live and after.exists()):
+            measure_profile(out / "profile_after")
+        report["load_avg"]["after_profile_after"] = os.getloadavg()
+        profile = mean_profile([profile, after], out / "steps_mean.csv")
+        report["profile"] = str(profile)
+    for s, live in lives.items():
+        report["strategies"][s] = compare(live, simulate(a, s, profile))
     report["summary"] = summary(report["strategies"])
     report["load_avg_end"] = os.getloadavg()
     path.write_text(json.dumps(report, indent=1))

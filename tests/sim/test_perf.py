@@ -174,3 +174,21 @@ def test_validate_cluster_metrics_and_errors_on_fake_data():
     s = vc.summary({"a": c, "b": zero})
     assert s["mape_per_metric"]["slo_attainment"] == pytest.approx(0.5)
     assert "**MAPE per metric**" in vc.markdown({"a": c, "b": zero}, s)
+
+
+def test_validate_cluster_mean_profile(tmp_path):
+    import importlib.util
+    import sys
+    script = Path(__file__).parents[2] / "scripts" / "validate_cluster.py"
+    sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location("validate_cluster", script)
+    vc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vc)
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text(STEPS)
+    b.write_text(STEPS.replace("prefill,16,0,0,10", "prefill,16,0,0,20"))
+    mean = vc.mean_profile([a, b], tmp_path / "m.csv")
+    assert make_perf("codellama-34b", profile=mean).step_ms(16, 0, 0) == pytest.approx(15)
+    b.write_text(STEPS.replace("prefill,16,0,0,10", "prefill,17,0,0,20"))
+    with pytest.raises(ValueError, match="one grid"):
+        vc.mean_profile([a, b], tmp_path / "m.csv")
