@@ -13,7 +13,7 @@
    per strategy live vs simulated TTFT and TPOT p50/p90 and attainment, absolute percentage errors,
    MAPE per metric and per strategy.
 
-    nice -n 0 python scripts/validate_cluster.py --out results/validate_cluster --profile-after  # ~12 min
+    nice -n 0 python scripts/validate_cluster.py --out results/validate_cluster --profile-after --profile-copies 2  # ~12 min
 """
 from __future__ import annotations
 
@@ -122,9 +122,17 @@ def cpu_model() -> str:
     return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
 
 
-def measure_profile(out: Path) -> Path:
-    env = {**os.environ, "PY": sys.executable, "OUT": str(out)}
-    subprocess.run([str(Path(__file__).parent / "profile_steps.sh"), "default", "cpu", "float32"], check=True, env=env)
+def measure_profile(out: Path, copies: int = 1) -> Path:
+    """`copies` profiles at once (as many as live instances: each instance shares the CPU with the
+    others, as in the live cluster), averaged row by row into OUT/steps.csv."""
+    script = str(Path(__file__).parent / "profile_steps.sh")
+    dirs = [out / f"copy{i}" for i in range(copies)] if copies > 1 else [out]
+    procs = [subprocess.Popen([script, "default", "cpu", "float32"], env={**os.environ, "PY": sys.executable,
+                                                                          "OUT": str(d)}) for d in dirs]
+    if any(pr.wait() for pr in procs):
+        raise RuntimeError("a step profile failed; see its output above")
+    if copies > 1:
+        return mean_profile([d / "steps.csv" for d in dirs], out / "steps.csv")
     return out / "steps.csv"
 
 
@@ -159,6 +167,8 @@ def main() -> int:
     p.add_argument("--router-mode", default="paper", help="ecoserve in the simulator (live: the serve default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-live", action="store_true", help="reuse OUT/real_S_rateR.json from an earlier run")
+    p.add_argument("--profile-copies", type=int, default=1,
+                   help="profiles measured at once (2: each shares the CPU with another, as the live instances do)")
     p.add_argument("--profile-after", action="store_true",
                    help="measure a second profile after the live runs and simulate with the mean of both")
     a = p.parse_args()
@@ -175,7 +185,7 @@ def main() -> int:
     path = out / "validate_cluster.json"
     profile = Path(a.profile) if a.profile else out / "profile" / "steps.csv"
     if not a.profile and not (a.skip_live and profile.exists()):
-        measure_profile(out / "profile")
+        measure_profile(out / "profile", a.profile_copies)
     report["profile"] = str(profile)
     report["load_avg"]["after_profile"] = os.getloadavg()
     lives: dict[str, dict] = {}
@@ -196,7 +206,7 @@ def main() -> int:
     if a.profile_after:
         after = out / "profile_after" / "steps.csv"
         if not (a.skip_live and after.exists()):
-            measure_profile(out / "profile_after")
+            measure_profile(out / "profile_after", a.profile_copies)
         report["load_avg"]["after_profile_after"] = os.getloadavg()
         profile = mean_profile([profile, after], out / "steps_mean.csv")
         report["profile"] = str(profile)
