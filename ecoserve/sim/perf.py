@@ -242,7 +242,8 @@ class StepProfilePerf(_Base):
             raise ValueError(f"{path}: not a step profile; expected the header {','.join(STEPS_HEADER)}")
         for line, r in enumerate(rows, start=2):
             try:
-                kind, p, b, c, ms = r["kind"], int(r["prompt_tokens"]), int(r["decode_seqs"]), int(r["context"]), float(r["ms"])
+                kind, ms = r["kind"], float(r["ms"])
+                p, b, c = int(r["prompt_tokens"]), int(r["decode_seqs"]), int(r["context"])
             except (TypeError, ValueError):
                 raise ValueError(f"{path}:{line}: bad row {list(r.values())}") from None
             if kind == "prefill" and p > 0:
