@@ -1,4 +1,8 @@
-"""Validate the simulator against the live engine on this machine.
+"""Validate the simulator against the live engine on this machine: one instance, `chunked` policy.
+
+The cluster-level check (2 real instances, every strategy, a measured prefill/decode/hybrid
+step profile) is its successor, scripts/validate_cluster.py; this script keeps the single-instance
+check and the `tokens,ms` profile that scripts/bench_cluster.py's mock instances sleep.
 
 1. Profile: time the live engine's steps (`LLMEngine.step()`, one torch thread) of n tokens -> a
    `tokens,ms` CSV (TD-Pipe's format): decode batches of n sequences up to 16, single prompts above.

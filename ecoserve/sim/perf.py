@@ -9,6 +9,9 @@ A step is described by `StepWork`, the aggregates of its batch. Two models:
 - `TablePerf`: a measured `tokens,ms` CSV read by `cluster.profile.StepTimeTable` (linear between
   rows, extrapolated past its end), plus an optional KV-read term that the tables (prefill-shaped)
   do not contain.
+- `StepProfilePerf`: a measured `steps.csv` of `scripts/profile_steps.py` (prefill by prompt tokens,
+  decode by sequences and context, hybrid by both), interpolated in each dimension: the step
+  types' real costs, where a `tokens,ms` table has one curve for every shape.
 
 Both add the step-type costs (`StepTypeCosts`), zero by default: a fixed overhead for a step that
 carries prompt tokens, and an interference term per decode token in a hybrid batch. vLLM 0.7.3
@@ -17,6 +20,8 @@ hybrid steps eagerly; docs/reproduction.md sweeps both parameters.
 """
 from __future__ import annotations
 
+import bisect
+import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,13 +177,143 @@ class TablePerf(_Base):
         return t + self.step_costs.extra(w) if w.num_prompt_tokens else t
 
 
+def _interp(xs: list[float], ys: list[float], x: float, extrapolate: bool = True) -> float:
+    """Linear between points; the first value below them (and everywhere for a single point); past
+    the last, along the last segment (never falling) when `extrapolate`, else the last value."""
+    if x <= xs[0] or len(xs) == 1:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    if i >= len(xs):
+        if not extrapolate:
+            return ys[-1]
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return ys[-1] + slope * (x - xs[-1])
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """Values on the full product of two axes, read bilinearly (each axis as `_interp`)."""
+
+    xs: list[float]
+    ys: list[float]
+    values: dict[tuple[float, float], float]
+    extrapolate: bool = True
+
+    @classmethod
+    def of(cls, points: dict[tuple[float, float], float], what: str, path: str | Path,
+           extrapolate: bool = True) -> "_Grid":
+        xs, ys = sorted({x for x, _ in points}), sorted({y for _, y in points})
+        missing = [(x, y) for x in xs for y in ys if (x, y) not in points]
+        if missing:
+            raise ValueError(f"{path}: the {what} rows must cover a full grid; missing {missing[:4]}"
+                             f"{' ...' if len(missing) > 4 else ''}")
+        return cls(xs, ys, points, extrapolate)
+
+    def at(self, x: float, y: float) -> float:
+        col = [_interp(self.ys, [self.values[(xi, yi)] for yi in self.ys], y, self.extrapolate) for xi in self.xs]
+        return _interp(self.xs, col, x, self.extrapolate)
+
+
+STEPS_HEADER = ("kind", "prompt_tokens", "decode_seqs", "context", "ms")
+
+
+@dataclass
+class StepProfilePerf(_Base):
+    """A measured step profile (`steps.csv` of scripts/profile_steps.py) by step type.
+
+    - prefill only: by the step's prompt tokens (the profile times one prompt of n tokens);
+    - decode only: by the number of decoding sequences and their mean context, bilinear;
+    - hybrid: prefill(p) + decode(b, context) + a residual measured on a (p, b) grid of hybrid
+      steps (what a mixed step costs beyond its parts, usually negative: one fixed step overhead
+      fewer), bilinear and held at the grid's edges; zero when the profile has no hybrid rows.
+    A decode's context is estimated from the step's KV reads less its prompt tokens (exact when
+    every prompt chunk starts at 0, as whole prompts do).
+    """
+
+    prefill_tokens: list[float]
+    prefill_ms: list[float]
+    decode: _Grid
+    hybrid_residual: _Grid | None = None
+    scale: float = 1.0
+    step_costs: StepTypeCosts = StepTypeCosts()
+
+    @classmethod
+    def from_csv(cls, path: str | Path, **kw) -> "StepProfilePerf":
+        prefill: dict[int, float] = {}
+        decode: dict[tuple[float, float], float] = {}
+        hybrid: dict[tuple[float, float, float], float] = {}
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if not rows or tuple(rows[0].keys()) != STEPS_HEADER:
+            raise ValueError(f"{path}: not a step profile; expected the header {','.join(STEPS_HEADER)}")
+        for line, r in enumerate(rows, start=2):
+            try:
+                kind, ms = r["kind"], float(r["ms"])
+                p, b, c = int(r["prompt_tokens"]), int(r["decode_seqs"]), int(r["context"])
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}:{line}: bad row {list(r.values())}") from None
+            if kind == "prefill" and p > 0:
+                prefill[p] = ms
+            elif kind == "decode" and b > 0:
+                decode[(b, c)] = ms
+            elif kind == "hybrid" and p > 0 and b > 0:
+                hybrid[(p, b, c)] = ms
+            else:
+                raise ValueError(f"{path}:{line}: unknown step kind or empty step {list(r.values())}")
+        if not prefill or not decode:
+            raise ValueError(f"{path}: a step profile needs prefill and decode rows "
+                             f"(got {len(prefill)} prefill, {len(decode)} decode)")
+        xs = sorted(prefill)
+        dec = _Grid.of(decode, "decode", path)
+        perf = cls([float(x) for x in xs], [prefill[x] for x in xs], dec, **kw)
+        if hybrid:
+            residual = {(p, b): ms - perf._prefill_ms(p) - dec.at(b, c) for (p, b, c), ms in hybrid.items()}
+            if len(residual) != len(hybrid):
+                raise ValueError(f"{path}: hybrid rows measured at more than one context per (prompt, decodes)")
+            perf.hybrid_residual = _Grid.of(residual, "hybrid", path, extrapolate=False)
+        return perf
+
+    def _prefill_ms(self, n: float) -> float:
+        return _interp(self.prefill_tokens, self.prefill_ms, n)
+
+    def step_ms(self, prompt_tokens: int, decode_seqs: int, context: float) -> float:
+        """The profile's time of a step with these prompt tokens and decodes of this mean context."""
+        if not decode_seqs:
+            return self._prefill_ms(prompt_tokens)
+        t = self.decode.at(decode_seqs, context)
+        if prompt_tokens:
+            t += self._prefill_ms(prompt_tokens)
+            if self.hybrid_residual is not None:
+                t += self.hybrid_residual.at(prompt_tokens, decode_seqs)
+        return max(t, 0.0)
+
+    def work_time(self, w: StepWork) -> float:
+        if w.num_tokens <= 0:
+            return 0.0
+        decodes = w.num_tokens - w.num_prompt_tokens
+        context = (w.kv_read_tokens - w.num_prompt_tokens) / decodes if decodes else 0.0
+        t = self.step_ms(w.num_prompt_tokens, decodes, context) * 1e-3 * self.scale
+        return t + self.step_costs.extra(w) if w.num_prompt_tokens else t
+
+
+def is_step_profile(path: str | Path) -> bool:
+    """Whether a profile CSV is a `steps.csv` (by its header) rather than a `tokens,ms` table."""
+    with open(path, newline="") as f:
+        return f.readline().strip().replace(" ", "").split(",")[:1] == ["kind"]
+
+
 def make_perf(model: str | ModelSpec, gpu: str | GPU = "L20", tp: int = 1, pp: int = 1,
               profile: str | Path | None = None, **knobs) -> _Base:
-    """A roofline for (model, gpu, tp, pp), or a measured table when `profile` names a CSV."""
+    """A roofline for (model, gpu, tp, pp), or a measured profile when `profile` names a CSV: a
+    `steps.csv` (header `kind,...`) -> `StepProfilePerf`, a `tokens,ms` table -> `TablePerf`."""
     spec = get_model(model) if isinstance(model, str) else model
     dev = get_gpu(gpu) if isinstance(gpu, str) else gpu
     if isinstance(knobs.get("step_costs"), dict):
         knobs["step_costs"] = StepTypeCosts(**knobs["step_costs"])
+    if profile is not None and is_step_profile(profile):
+        return StepProfilePerf.from_csv(profile, **knobs)  # measured with real contexts: no extra KV term
     if profile is not None:
         # Knobs override the defaults, e.g. kv_bytes_per_token=0 for a table measured with real contexts.
         return TablePerf.from_csv(profile, **{"kv_bytes_per_token": spec.kv_bytes_per_token / tp,

@@ -101,3 +101,122 @@ def test_step_cost_points_build_models_and_name_their_all_reduce():
         assert t >= plain + overhead + 32 * hybrid - 1e-9
         assert ("AR" in _step_cost_key(overhead, hybrid, allreduce)) == (allreduce is not None)
     assert _step_cost_key(0.005, 1e-5, 20e-6) == "5ms+10us/dec+AR 20us"
+
+
+STEPS = """kind,prompt_tokens,decode_seqs,context,ms
+prefill,16,0,0,10
+prefill,64,0,0,30
+decode,0,1,32,5
+decode,0,8,32,9
+decode,0,1,128,7
+decode,0,8,128,13
+hybrid,16,1,32,14
+hybrid,16,8,32,16
+hybrid,64,1,32,33
+hybrid,64,8,32,36
+"""
+
+
+def _steps(tmp_path, text=STEPS):
+    path = tmp_path / "steps.csv"
+    path.write_text(text)
+    return path
+
+
+def test_step_profile_selected_by_header_and_tokens_ms_table_still_read(tmp_path):
+    from ecoserve.sim.perf import StepProfilePerf
+    assert isinstance(make_perf("codellama-34b", profile=_steps(tmp_path)), StepProfilePerf)
+    _, table = _table("L20-Llama-13B.csv")
+    assert isinstance(make_perf("llama-2-13b", profile=table), TablePerf)
+
+
+def test_step_profile_prefill_interpolates_and_extrapolates(tmp_path):
+    p = make_perf("codellama-34b", profile=_steps(tmp_path))
+    assert p.step_ms(16, 0, 0) == 10 and p.step_ms(40, 0, 0) == pytest.approx(20)
+    assert p.step_ms(8, 0, 0) == 10  # below the first row: its time
+    assert p.step_ms(128, 0, 0) == pytest.approx(30 + 64 * 20 / 48)  # along the last segment
+    assert p.predicted_prefill_time(64) == pytest.approx(0.030)
+    assert p.work_time(StepWork(64, 2, 2, 0.0, 64, 64)) == pytest.approx(0.030)  # two prompts: by their tokens
+
+
+def test_step_profile_decode_is_bilinear_in_sequences_and_context(tmp_path):
+    p = make_perf("codellama-34b", profile=_steps(tmp_path))
+    assert p.step_ms(0, 8, 128) == 13
+    mid_b = lambda c: 5 + (9 - 5) * 0.5 if c == 32 else 7 + (13 - 7) * 0.5  # noqa: E731
+    assert p.step_ms(0, 4.5, 32) == pytest.approx(mid_b(32))
+    assert p.step_ms(0, 4.5, 80) == pytest.approx((mid_b(32) + mid_b(128)) / 2)
+    assert p.step_ms(0, 8, 224) == pytest.approx(13 + 4)  # context past the grid: along the last segment
+    # from a StepWork: 4 decodes of 80 tokens of context each
+    assert p.work_time(StepWork(4, 4, 4, 4 * 80.0, 4 * 80, 0)) == pytest.approx(p.step_ms(0, 4, 80) * 1e-3)
+
+
+def test_step_profile_hybrid_exact_at_measured_points_and_held_outside(tmp_path):
+    p = make_perf("codellama-34b", profile=_steps(tmp_path))
+    assert p.step_ms(64, 8, 32) == pytest.approx(36)
+    assert p.step_ms(16, 1, 32) == pytest.approx(14)
+    # beyond the hybrid grid the residual stays at its edge: 64 prompt + 8 decodes at 128 context
+    residual = 36 - 30 - 9
+    assert p.step_ms(64, 8, 128) == pytest.approx(30 + 13 + residual)
+    assert p.step_ms(256, 8, 32) == pytest.approx(p.step_ms(256, 0, 0) + 9 + residual)
+    w = StepWork(72, 9, 9, 0.0, 64 + 8 * 32, 64)  # 64 prompt tokens (from 0) + 8 decodes of 32 context
+    assert p.work_time(w) == pytest.approx(0.036)
+
+
+def test_step_profile_without_hybrid_rows_adds_prefill_and_decode(tmp_path):
+    text = "\n".join(ln for ln in STEPS.splitlines() if not ln.startswith("hybrid")) + "\n"
+    p = make_perf("codellama-34b", profile=_steps(tmp_path, text))
+    assert p.step_ms(64, 8, 32) == pytest.approx(30 + 9)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("kind,prompt_tokens,decode_seqs,ms\nprefill,16,0,10\n", "expected the header"),
+    (STEPS.replace("decode,0,8,128,13\n", ""), "full grid"),
+    (STEPS.replace("hybrid,64,8,32,36", "hybrid,64,8,32,x"), "bad row"),
+    (STEPS.replace("prefill,16,0,0,10", "verify,16,0,0,10"), "unknown step kind"),
+    ("\n".join(ln for ln in STEPS.splitlines() if not ln.startswith("decode")), "needs prefill and decode"),
+])
+def test_step_profile_bad_files_fail_clearly(tmp_path, text, match):
+    from ecoserve.sim.perf import StepProfilePerf
+    with pytest.raises(ValueError, match=match):
+        StepProfilePerf.from_csv(_steps(tmp_path, text))
+
+
+def test_validate_cluster_metrics_and_errors_on_fake_data():
+    import importlib.util
+    import sys
+    script = Path(__file__).parents[2] / "scripts" / "validate_cluster.py"
+    sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location("validate_cluster", script)
+    vc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vc)
+    # 4 sent, 3 finished: TPOTs 0.1, 0.3 and a one-token request (meets any TPOT)
+    m = vc.latency_metrics([0.5, 2.0, 0.4], [1.5, 5.0, 0.4], [11, 11, 1], 4, slo_ttft=1.0, slo_tpot=0.2)
+    assert m["slo_attainment"] == 0.5 and m["completed"] == 3
+    assert m["p50_ttft_ms"] == pytest.approx(500) and m["p90_tpot_ms"] == pytest.approx(280)
+    sim = {**m, "p50_ttft_ms": 550.0, "slo_attainment": 0.25}
+    c = vc.compare(m, sim)
+    assert c["ape"]["p50_ttft_ms"] == pytest.approx(0.1) and c["ape"]["slo_attainment"] == pytest.approx(0.5)
+    assert c["mape"] == pytest.approx(0.6 / 5)
+    zero = vc.compare({**m, "slo_attainment": 0.0}, sim)
+    assert zero["ape"]["slo_attainment"] is None and zero["mape"] == pytest.approx(0.1 / 4)
+    s = vc.summary({"a": c, "b": zero})
+    assert s["mape_per_metric"]["slo_attainment"] == pytest.approx(0.5)
+    assert "**MAPE per metric**" in vc.markdown({"a": c, "b": zero}, s)
+
+
+def test_validate_cluster_mean_profile(tmp_path):
+    import importlib.util
+    import sys
+    script = Path(__file__).parents[2] / "scripts" / "validate_cluster.py"
+    sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location("validate_cluster", script)
+    vc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vc)
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text(STEPS)
+    b.write_text(STEPS.replace("prefill,16,0,0,10", "prefill,16,0,0,20"))
+    mean = vc.mean_profile([a, b], tmp_path / "m.csv")
+    assert make_perf("codellama-34b", profile=mean).step_ms(16, 0, 0) == pytest.approx(15)
+    b.write_text(STEPS.replace("prefill,16,0,0,10", "prefill,17,0,0,20"))
+    with pytest.raises(ValueError, match="one grid"):
+        vc.mean_profile([a, b], tmp_path / "m.csv")
