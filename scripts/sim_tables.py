@@ -9,8 +9,9 @@ Every `<experiment>.json` under the folder (searched recursively) is read; sever
 the highest rate meeting the target with every lower rate meeting it too / at all).
 
 A P90 ratio that differs from the paper's figure by more than FLAG_TOLERANCE is marked with a dagger and
-listed under "Flags" with its cause from CAUSES, looked up by "<row> / <mode>", then "<row>", else
-"unexplained" (rows as printed, e.g. "vs sarathi", "longbench vs NoDG", "qwen2-72b vs FuDG").
+listed under "Flags" with its cause from CAUSES, looked up by "<row> / <definition>", then "<row>", then
+"<definition>", else "unexplained" (rows as printed, e.g. "vs sarathi", "longbench vs NoDG", "qwen2-72b vs
+FuDG"; definitions "monotone", "max").
 """
 from __future__ import annotations
 
@@ -79,10 +80,24 @@ class Flags:
             print(f"No P90 ratio differs from the paper's by more than {FLAG_TOLERANCE:.0%}.")
             return
         print(f"#### Flags (P90 ratio off the paper's by more than {FLAG_TOLERANCE:.0%})\n")
-        print("| ratio | mode | definition | ours | paper | ours / paper | cause |\n|---|---|---|---|---|---|---|")
+        modes = list(dict.fromkeys(m for _, m, _, _, _ in self.rows))
+        print("| ratio | definition | paper | " + " | ".join(f"{m} (ours / paper)" for m in modes) + " | cause |")
+        print("|---" * (len(modes) + 4) + "|")
+        by_row: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
         for row, mode, d, ours, paper in self.rows:
-            cause = CAUSES.get(f"{row} / {mode}", CAUSES.get(row, "unexplained"))
-            print(f"| {row} | {mode} | {d} | {ours:.2f}x | {paper:.2f}x | {ours / paper:.2f} | {cause} |")
+            by_row.setdefault((row, d), {})[mode] = (ours, paper)
+        for (row, d), vals in by_row.items():
+            paper = next(iter(vals.values()))[1]
+            cells = [f"{vals[m][0]:.2f}x ({vals[m][0] / paper:.2f})" if m in vals else "within" for m in modes]
+            print(f"| {row} | {d} | {paper:.2f}x | " + " | ".join(cells) + f" | {cause_of(row, d)} |")
+
+
+def cause_of(row: str, definition: str) -> str:
+    """The stated cause of a flagged ratio: by row and definition, then row, then definition."""
+    for key in (f"{row} / {definition}", row, definition):
+        if key in CAUSES:
+            return CAUSES[key]
+    return "unexplained"
 
 
 def overall(runs: list[dict], flags: Flags | None = None) -> None:

@@ -8,6 +8,10 @@ closes a window: it closes only when a check fails at the open instance and the 
 the next instance that passes. A request that passes nowhere waits in the router, FIFO, as the
 paper says ("the request stays pending"); it is retried whenever the cluster changes.
 
+The window's prefill phase ends when the instance has prefilled every prompt routed to it: it is
+decoding again, so the next request routed there starts a new sum (the paper's next switch), even if
+the cursor never moved (a macro instance of one instance has nowhere else to move it).
+
 One departure, so nothing waits forever: a request that would be alone in its window passes (1)
 even if its own prediction exceeds S_TTFT (printed literally, such a prompt fits no instance).
 """
@@ -35,6 +39,8 @@ class PaperStrictMode(PaperMode):
         return self.window_predictions.get(instance_id, []) if instance_id == mac.active else []
 
     def ttft_check(self, mac, st: InstanceStatus, prompt_len, now, queued_time):
+        if st.instance_id == mac.active and not any(q.first_token_time is None for q in st.requests):
+            self.window_predictions[st.instance_id] = []  # its prefill phase is over: a new one starts here
         routed = self.routed_since_switch(mac, st.instance_id)
         total = sum(routed) + mac.profile.alone(prompt_len)
         return total, total <= mac.config.ttft_slo or not routed

@@ -26,10 +26,29 @@ def empty(iid):
     return status(iid)
 
 
+class Tracker:
+    """A `status_of` whose instances still have to prefill every prompt dispatched to them."""
+
+    def __init__(self) -> None:
+        self.queued: dict[int, list[int]] = {}
+
+    def note(self, acts: list, lengths: dict[str, int]) -> list:
+        for a in acts:
+            if isinstance(a, Dispatch):
+                self.queued.setdefault(a.instance_id, []).append(lengths[a.request_id])
+        return acts
+
+    def submit(self, r: MacroInstance, rid: str, n: int, now: float) -> list:
+        return self.note(r.submit(rid, n, 1, self, now=now), {rid: n})
+
+    def __call__(self, iid: int) -> InstanceStatus:
+        return status(iid, queued=self.queued.get(iid, ()))
+
+
 def test_check1_sums_single_prefills_since_the_switch_where_the_batched_window_fits():
-    r = router()
+    r, st = router(), Tracker()
     for rid in "abcde":  # 5 x 0.2 s = 1.0 s == S_TTFT: all on instance 0
-        r.submit(rid, 100, 1, empty, now=10.5)
+        st.submit(r, rid, 100, now=10.5)
     assert r.active == 0 and r.mode.routed_since_switch(r, 0) == pytest.approx([0.2] * 5)
     backlog = status(0, queued=[100] * 5)  # none of them prefilled yet
     c = r.check(backlog, 100, now=10.5)
@@ -39,19 +58,30 @@ def test_check1_sums_single_prefills_since_the_switch_where_the_batched_window_f
     assert paper.check(backlog, 100, now=10.5).ok  # today's batched rule: 0.1 + 0.6 = 0.7 s
 
 
-def test_check1_counts_requests_already_prefilled_and_ignores_the_window_age():
+def test_check1_ignores_the_window_age_and_restarts_when_the_prefill_phase_ends():
     r = router()
     r.submit("a", 700, 1, empty, now=10.0)  # 0.8 s predicted
-    done = status(0, now=12.0)  # "a" has finished; the window has been open 2 s
-    assert r.check(done, 99, now=12.0).ok  # 0.8 + 0.199 <= 1.0: no window timer, no age term
-    assert r.check(done, 101, now=12.0).reason == "ttft"  # 0.8 + 0.201
+    prefilling = status(0, queued=[700], now=12.0)  # the window has been open 2 s, "a" not prefilled yet
+    assert r.check(prefilling, 99, now=12.0).ok  # 0.8 + 0.199 <= 1.0: no window timer, no age term
+    assert r.check(prefilling, 101, now=12.0).reason == "ttft"  # 0.8 + 0.201
+    decoding = status(0, decoding=[(20, 11.5)], now=12.0)  # "a" prefilled: the instance decodes again
+    assert r.check(decoding, 101, now=12.0).ok and r.mode.routed_since_switch(r, 0) == []
+
+
+def test_one_instance_never_stalls_once_its_prefills_are_done():
+    r, st = router([0]), Tracker()
+    for rid in "abcde":
+        st.submit(r, rid, 100, now=10.5)
+    assert st.submit(r, "f", 100, now=10.5) == [] and len(r.pending) == 1  # 1.2 s > S_TTFT: waits
+    st.queued.clear()  # the instance prefilled them all
+    assert st.note(r.retry(st, now=11.0), {"f": 100}) == [Dispatch("f", 0, 1)]
 
 
 def test_a_failing_check_moves_the_cursor_and_sets_no_close_timer():
-    r = router([0, 1, 2])
+    r, st = router([0, 1, 2]), Tracker()
     acts = []
     for rid in "abcdef":
-        acts += r.submit(rid, 100, 1, empty, now=10.5)
+        acts += st.submit(r, rid, 100, now=10.5)
     assert not [a for a in acts if isinstance(a, SetTimer)]
     assert acts[-3:] == [CloseWindow(0), OpenWindow(1), Dispatch("f", 1, 1)]
     assert r.candidate_order()[0] == 1 and r.mode.routed_since_switch(r, 1) == pytest.approx([0.2])
@@ -60,16 +90,16 @@ def test_a_failing_check_moves_the_cursor_and_sets_no_close_timer():
 
 
 def test_a_prompt_longer_than_the_slo_goes_alone_to_a_fresh_window():
-    r = router([0, 1])
-    acts = r.submit("big", 2000, 1, empty, now=10.5)  # 2.1 s on its own
+    r, st = router([0, 1]), Tracker()
+    acts = st.submit(r, "big", 2000, now=10.5)  # 2.1 s on its own
     assert acts == [OpenWindow(0), Dispatch("big", 0, 1)]
-    assert r.submit("next", 10, 1, empty, now=10.6)[-1] == Dispatch("next", 1, 1)
+    assert st.submit(r, "next", 10, now=10.6)[-1] == Dispatch("next", 1, 1)
 
 
 def test_check2_compares_the_slack_with_the_sum():
     r = router(ttft_slo=2.0, profile=PrefillProfile(lambda n: n / 1000, 4096))
     r.submit("a", 600, 1, empty, now=10.5)
-    st = status(0, decoding=[(10, 10.0), (20, 10.0)])  # mean saved TPOT 1.0 s (test_router's case)
+    st = status(0, queued=[600], decoding=[(10, 10.0), (20, 10.0)])  # mean saved TPOT 1.0 s (test_router's case)
     assert r.check(st, 400, now=10.5).ok  # 0.6 + 0.4 = 1.0
     c = r.check(st, 401, now=10.5)
     assert (c.ok, c.reason) == (False, "tpot") and c.window_prefill_time == pytest.approx(1.001)

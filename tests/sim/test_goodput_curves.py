@@ -63,9 +63,9 @@ def test_sim_tables_flags_ratios_off_the_papers(tmp_path):
     vs_vllm = next(line for line in out.splitlines() if line.startswith("| vs vllm |"))
     assert vs_vllm.startswith("| vs vllm | 1.00x† | 2.00x | 1.90x | 2.00x | 1.96x |")
     flags = out[out.index("#### Flags"):]
-    assert "| vs vllm | paper | monotone | 1.00x | 1.96x | 0.51 | unexplained |" in flags
-    assert "| vs vllm | paper | max |" not in flags and "| vs vllm | reference |" not in flags
-    assert "| vs sarathi | paper | monotone | 1.00x | 1.99x |" in flags
+    assert "| vs vllm | monotone | 1.96x | 1.00x (0.51) | within |" in flags  # reference mode is within 25%
+    assert "| vs vllm | max |" not in flags
+    assert "| vs sarathi | monotone | 1.99x | 1.00x (0.50) |" in flags
 
 
 def test_sim_tables_prints_the_other_goodput_experiments(tmp_path):
@@ -80,6 +80,6 @@ def test_sim_tables_prints_the_other_goodput_experiments(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, check=True).stdout
     assert "| vLLM | 10.0 / 10.0 | 4.0 / 4.0 | -60.0% / -60.0% | -60.0% |" in out  # P99 columns and drop
     assert "| qwen2-72b paper | 2.00 / 2.00 | 4.00 / 4.00 | 6.00 / 11.00 | 3.00x† | 5.50x | 5.47x |" in out
-    assert "| qwen2-72b scaling | paper | monotone | 3.00x | 5.47x |" in out
+    assert "| qwen2-72b scaling | monotone | 5.47x | 3.00x (0.55) |" in out
     assert "| paper | 3.0 | 4.0 | 3.0 | 3.0 |" in out
     assert "| 0ms+0ms/dec | 10.0 / 10.0 | 5.0 / 12.0 | 0.50x |" in out
