@@ -8,9 +8,10 @@ closes a window: it closes only when a check fails at the open instance and the 
 the next instance that passes. A request that passes nowhere waits in the router, FIFO, as the
 paper says ("the request stays pending"); it is retried whenever the cluster changes.
 
-The window's prefill phase ends when the instance has prefilled every prompt routed to it: it is
-decoding again, so the next request routed there starts a new sum (the paper's next switch), even if
-the cursor never moved (a macro instance of one instance has nowhere else to move it).
+When no instance passes and the open one has prefilled every prompt routed to it (it is decoding
+again), its window starts anew (the paper's next switch) and the head is tried again: without that, a
+macro instance of one instance, whose cursor has nowhere to move, would stall once a window's sum
+reached S_TTFT. While another instance can take the request, the cursor moves on as printed.
 
 One departure, so nothing waits forever: a request that would be alone in its window passes (1)
 even if its own prediction exceeds S_TTFT (printed literally, such a prompt fits no instance).
@@ -38,9 +39,16 @@ class PaperStrictMode(PaperMode):
         (routing there opens a new window)."""
         return self.window_predictions.get(instance_id, []) if instance_id == mac.active else []
 
+    def retry(self, mac, status_of, now):
+        acts = super().retry(mac, status_of, now)
+        active = mac.active
+        if mac.pending and active is not None and self.window_predictions.get(active) \
+                and not any(q.first_token_time is None for q in status_of(active).requests):
+            self.window_predictions[active] = []  # its prefill phase is over: the next switch starts here
+            acts += super().retry(mac, status_of, now)
+        return acts
+
     def ttft_check(self, mac, st: InstanceStatus, prompt_len, now, queued_time):
-        if st.instance_id == mac.active and not any(q.first_token_time is None for q in st.requests):
-            self.window_predictions[st.instance_id] = []  # its prefill phase is over: a new one starts here
         routed = self.routed_since_switch(mac, st.instance_id)
         total = sum(routed) + mac.profile.alone(prompt_len)
         return total, total <= mac.config.ttft_slo or not routed

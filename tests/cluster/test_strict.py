@@ -58,14 +58,12 @@ def test_check1_sums_single_prefills_since_the_switch_where_the_batched_window_f
     assert paper.check(backlog, 100, now=10.5).ok  # today's batched rule: 0.1 + 0.6 = 0.7 s
 
 
-def test_check1_ignores_the_window_age_and_restarts_when_the_prefill_phase_ends():
+def test_check1_counts_requests_already_prefilled_and_ignores_the_window_age():
     r = router()
     r.submit("a", 700, 1, empty, now=10.0)  # 0.8 s predicted
-    prefilling = status(0, queued=[700], now=12.0)  # the window has been open 2 s, "a" not prefilled yet
-    assert r.check(prefilling, 99, now=12.0).ok  # 0.8 + 0.199 <= 1.0: no window timer, no age term
-    assert r.check(prefilling, 101, now=12.0).reason == "ttft"  # 0.8 + 0.201
-    decoding = status(0, decoding=[(20, 11.5)], now=12.0)  # "a" prefilled: the instance decodes again
-    assert r.check(decoding, 101, now=12.0).ok and r.mode.routed_since_switch(r, 0) == []
+    done = status(0, now=12.0)  # "a" has finished; the window has been open 2 s
+    assert r.check(done, 99, now=12.0).ok  # 0.8 + 0.199 <= 1.0: no window timer, no age term
+    assert r.check(done, 101, now=12.0).reason == "ttft"  # 0.8 + 0.201
 
 
 def test_one_instance_never_stalls_once_its_prefills_are_done():
