@@ -40,7 +40,7 @@ PAPER_SCALING = {"codellama-34b": 4.96, "qwen2-72b": 5.47}
 # Why a flagged ratio differs from the paper's, by "<row> / <mode>" or "<row>"; filled in after each run.
 # Causes of the flagged ratios, explained in docs/reproduction.md ("Overall goodput", "The low-load dip").
 LOW_LOAD_DIP = "EcoServe's low-load TPOT dip"
-NODG_GAP = "unexplained; not the step-type costs"
+NODG_GAP = "unexplained; step-type costs move it one grid step"
 FUDG_GAP = "unexplained; simulated FuDG pays link time only"
 MOONCAKE_MHA = "MoonCake's collapse on MHA Llama-30B"
 CAUSES: dict[str, str] = {
