@@ -23,8 +23,11 @@ PROFILE_TOKENS = (16, 64, 256, 1024, 4096)
 def profiling_lengths(max_num_batched_tokens: int, max_model_len: int | None = None,
                       token_counts: Iterable[int] = PROFILE_TOKENS) -> list[int]:
     """The prompt lengths an instance times: each fits one step (the token budget) and the model's context."""
+    counts = [int(n) for n in token_counts]
+    if not counts or min(counts) < 1:
+        raise ValueError(f"profile lengths must be positive token counts, got {counts}")
     cap = max_num_batched_tokens if max_model_len is None else min(max_num_batched_tokens, max_model_len - 1)
-    return sorted({min(int(n), cap) for n in token_counts})
+    return sorted({min(n, cap) for n in counts})
 
 
 class StepTimeTable:

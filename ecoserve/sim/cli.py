@@ -92,8 +92,7 @@ def main(args: argparse.Namespace) -> int:
     ttft, tpot = args.ttft_slo or ds.ttft_slo, args.tpot_slo or ds.tpot_slo
     spec = ClusterSpec(model=args.model, gpu=GPUS.get(args.gpu).name, tp=args.tp, num_instances=args.num_instances,
                        network=args.network, profile=args.profile,
-                       **({"profile_tokens": tuple(int(t) for t in args.profile_tokens.split(","))}
-                          if args.profile_tokens else {}))
+                       **({"profile_tokens": _token_counts(args.profile_tokens)} if args.profile_tokens else {}))
     wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
                                                              seed=args.seed, arrival=args.arrival, cv=args.cv)
     router = {"output_hold": args.output_hold == "on"} if args.output_hold is not None else {}
@@ -122,3 +121,14 @@ if __name__ == "__main__":  # python -m ecoserve.sim.cli simulate ...
     add_parser(parser.add_subparsers(dest="command", required=True))
     ns = parser.parse_args()
     raise SystemExit(ns.func(ns))
+
+
+def _token_counts(text: str) -> tuple[int, ...]:
+    """`--profile-tokens 16,64,256`: positive token counts."""
+    try:
+        counts = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--profile-tokens takes comma-separated token counts, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--profile-tokens takes positive token counts, got {text!r}")
+    return counts

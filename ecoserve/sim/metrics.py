@@ -128,6 +128,15 @@ class CurveConfig:
     max_points: int = 30
     max_below: int = 8
 
+    def __post_init__(self) -> None:
+        if not self.ratio > 1:
+            raise ValueError(f"a curve's grid ratio must be > 1 (rates start * ratio**k), got {self.ratio}")
+        if not 0 < self.stop_below <= 1:
+            raise ValueError(f"stop_below is an attainment in (0, 1], got {self.stop_below}")
+        if self.stop_after < 1 or self.max_points < 1 or self.max_below < 0:
+            raise ValueError(f"need stop_after >= 1, max_points >= 1, max_below >= 0, got {self.stop_after}, "
+                             f"{self.max_points}, {self.max_below}")
+
 
 def attainment_curve(attain_at: Callable[[float], CurvePoint | float], start: float,
                      config: CurveConfig = CurveConfig(), targets=GOODPUT_TARGETS) -> list[CurvePoint]:

@@ -124,15 +124,22 @@ def route(c, fleet, rid, clock):
     return next(a.instance_id for a in acts if isinstance(a, Dispatch))
 
 
-def test_ttft_samples_count_for_the_macro_that_routed_them():
-    """Hot TTFTs of macro 1's requests expand macro 1; macro 0, whose requests decode with ample slack but
-    have not finished, has no evidence and does not contract (a 0 TTFT there would have drained it)."""
+def eight_routed():
+    """A started two-macro controller with 8 requests routed: (clock, fleet, controller, macro of each instance,
+    instance of each request)."""
     clock = VirtualClock()
     fleet = FakeFleet(clock)
     c = padg(fleet, clock)
     fleet.apply(c.start())
     macro_of = {i: m for m, v in c.topology().macros.items() for i in v}
     where = {f"r{k}": route(c, fleet, f"r{k}", clock) for k in range(8)}
+    return clock, fleet, c, macro_of, where
+
+
+def test_ttft_samples_count_for_the_macro_that_routed_them():
+    """Hot TTFTs of macro 1's requests expand macro 1; macro 0, whose requests decode with ample slack but
+    have not finished, has no evidence and does not contract (a 0 TTFT there would have drained it)."""
+    clock, fleet, c, macro_of, where = eight_routed()
     assert {macro_of[i] for i in where.values()} == {0, 1}
     for rid, iid in where.items():
         if macro_of[iid] == 1:
@@ -146,12 +153,7 @@ def test_ttft_samples_count_for_the_macro_that_routed_them():
 
 
 def test_merge_hands_the_gone_macros_samples_to_the_keeper():
-    clock = VirtualClock()
-    fleet = FakeFleet(clock)
-    c = padg(fleet, clock)
-    fleet.apply(c.start())
-    macro_of = {i: m for m, v in c.topology().macros.items() for i in v}
-    where = {f"r{k}": route(c, fleet, f"r{k}", clock) for k in range(8)}
+    clock, fleet, c, macro_of, where = eight_routed()
     for rid, iid in where.items():
         if macro_of[iid] == 0:  # macro 0: fast TTFTs and slack to spare, so it contracts
             del fleet.reqs[iid][rid]

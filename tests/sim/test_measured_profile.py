@@ -52,3 +52,17 @@ def test_profiling_lengths_fit_one_step_and_the_context():
     perf = small_spec(max_num_batched_tokens=64).perf()
     assert measured_prefill_table(perf, 64).rows == [(16, pytest.approx(perf.predicted_prefill_time(16) * 1e3)),
                                                      (64, pytest.approx(perf.predicted_prefill_time(64) * 1e3))]
+
+
+def test_profile_lengths_must_be_positive():
+    from ecoserve.cluster.profile import profiling_lengths
+    with pytest.raises(ValueError, match="positive"):
+        profiling_lengths(512, token_counts=(16, 0))
+    with pytest.raises(ValueError, match="positive"):
+        profiling_lengths(512, token_counts=())
+
+
+def test_simulate_rejects_bad_profile_tokens(capsys):
+    from ecoserve.cli import main
+    assert main(["simulate", "run", "--profile-tokens", "16,abc", "--num-requests", "10"]) != 0
+    assert "--profile-tokens takes comma-separated token counts" in capsys.readouterr().err

@@ -85,3 +85,11 @@ def test_trace_replay_csv_and_jsonl(tmp_path):
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps({"timestamp": t, "prompt_len": 7, "output_len": 2})
                                                 for t in (1, 3)))
     assert [r.arrival_time for r in load_trace(tmp_path / "t.jsonl", time_scale=0.5)] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("bad", [dict(ratio=1.0), dict(ratio=0.5), dict(stop_below=0.0), dict(stop_after=0),
+                                 dict(max_below=-1)])
+def test_curve_config_rejects_a_grid_that_cannot_climb_or_stop(bad):
+    from ecoserve.sim.metrics import CurveConfig
+    with pytest.raises(ValueError):
+        CurveConfig(**bad)

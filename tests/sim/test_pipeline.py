@@ -11,7 +11,6 @@ from ecoserve.sim.network import allreduce_time
 from ecoserve.sim.perf import StepWork
 from ecoserve.sim.pipeline import ParallelPerf, PipelineInstance
 from ecoserve.request import Request
-from ecoserve.sampling import SamplingParams
 from ecoserve.sim.workload import SimRequest
 
 LINK = Link("test", 10e9, 1e-3, efficiency=1.0)
