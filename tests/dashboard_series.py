@@ -55,16 +55,21 @@ def dashboard_series(path: str | Path) -> set[str]:
     return names
 
 
+def _scraped_name(f) -> str:
+    """A counter's family without `_total`; other types keep their name (a histogram may end in `_total`)."""
+    return family(f.name) if f.type == "counter" else f.name
+
+
 def scraped_families(text: str) -> set[str]:
     """Family names in a Prometheus text exposition (counters without their `_total`)."""
-    return {family(f.name) for f in text_string_to_metric_families(text)}
+    return {_scraped_name(f) for f in text_string_to_metric_families(text)}
 
 
 def scraped_labels(text: str) -> dict[str, set[str]]:
     """Family name -> the label names its samples carry (`le` and `quantile` left out)."""
     labels: dict[str, set[str]] = {}
     for f in text_string_to_metric_families(text):
-        names = labels.setdefault(family(f.name), set())
+        names = labels.setdefault(_scraped_name(f), set())
         for sample in f.samples:
             names |= set(sample.labels) - {"le", "quantile"}
     return labels

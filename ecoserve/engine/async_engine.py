@@ -384,7 +384,9 @@ class SchedulerCollector:
                 ("num_requests_running", "Requests in the running batch.", len(sched.running)),
                 ("num_requests_waiting", "Requests waiting to be scheduled (also for their grammar).",
                  len(sched.waiting) + len(sched.waiting_for_grammar)),
-                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", kv.usage)):
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", kv.usage),
+                ("gpu_cache_usage_perc", "Deprecated alias of kv_cache_usage_perc, which vLLM's dashboard reads.",
+                 kv.usage)):
             g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
             g.add_metric(label, value)
             yield g
