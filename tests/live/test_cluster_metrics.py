@@ -158,3 +158,59 @@ def test_every_dashboard_series_exists(cluster, load):
     assert any(name.startswith("ecoserve:instance_") for name in wanted)
     missing = wanted - series.scraped_families(text)
     assert not missing, sorted(missing)
+
+
+class _Readout:
+    """A frontend after a split: macro 1 took the free instance 2; instance 1 was restarted once."""
+
+    def __init__(self) -> None:
+        from ecoserve.live.board import InstanceBoard, InstanceHandle
+
+        self.board = InstanceBoard()
+        for i in range(3):
+            self.board.add(InstanceHandle(i, state="ready"))
+        self.board[1].restarts = 1
+        self.counters = {key: 0 for key in ("reroutes", "instance_deaths", "kv_bytes_moved", "refused_instances",
+                                            "migrations", "migration_failures", "restarts", "rejected_messages")}
+        self.counters["mitosis_events"] = 1
+
+    def views(self):
+        from ecoserve.live.board import view_of
+
+        return [view_of(h, self.topology(), 0, 0.0) for h in self.board.instances.values()]
+
+    def topology(self):
+        from ecoserve.cluster.topology import Topology
+
+        return Topology({0: "both", 1: "both", 2: "both"}, {0: (0, 1), 1: (2,)})
+
+    def window_lengths(self):
+        return {h.instance_id: h.window_lengths for h in self.board.instances.values()}
+
+
+def test_collector_topology_restarts_and_window_lengths():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ecoserve.live.routes import ClusterCollector
+
+    fe = _Readout()
+    h = fe.board[0]
+    for opened, closed in ((1.0, 1.02), (2.0, 2.3), (3.0, 403.0)):  # 20 ms, 300 ms, past every bound
+        fe.board.window_set(h, True, opened)
+        fe.board.window_set(h, True, opened + 0.001)  # opening an open window is no new window
+        fe.board.window_set(h, False, closed)
+    fe.board.window_set(h, True, 500.0)
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(fe, "tiny", "vllm:"))
+    got = samples(generate_latest(registry).decode())
+    topo = sorted((lab["macro"], lab["instance"], lab["role"]) for lab, _ in got["vllm:cluster_macro_instance"])
+    assert topo == [("0", "0", "both"), ("0", "1", "both"), ("1", "2", "both")]
+    assert got["vllm:cluster_mitosis_events_total"] == [({"model_name": "tiny"}, 1.0)]
+    assert per_instance(got["vllm:instance_restarts_total"]) == {"0": 0.0, "1": 1.0, "2": 0.0}
+    assert per_instance(got["vllm:instance_windows_total"])["0"] == 4
+    assert per_instance(got["vllm:instance_window_open"]) == {"0": 1.0, "1": 0.0, "2": 0.0}
+    buckets = {lab["le"]: v for lab, v in got["vllm:instance_window_length_seconds_bucket"] if lab["instance"] == "0"}
+    assert (buckets["0.01"], buckets["0.025"], buckets["0.25"], buckets["0.5"], buckets["300.0"],
+            buckets["+Inf"]) == (0, 1, 1, 2, 2, 3)
+    assert per_instance(got["vllm:instance_window_length_seconds_sum"])["0"] == pytest.approx(400.32)
+    assert "vllm:instance_num_running" not in got  # no status yet: nothing reported to show
