@@ -100,7 +100,7 @@ class InstanceView:
     num_dispatched: int
     engine: dict | None  # the engine settings the instance reported in its Ready
     restarts: int  # times the frontend restarted this slot's process
-    window_open: bool  # the frontend opened its prefill window and has not closed it
+    window_open: bool  # the frontend opened its prefill window and has not closed it (never while lost)
     num_running: int | None  # as the instance last reported (None: no status yet)
     num_waiting: int | None
 
@@ -122,8 +122,8 @@ def view_of(h: InstanceHandle, topology: Topology | None, num_dispatched: int, n
     return InstanceView(h.instance_id, h.pid, h.host, state, role, st.phase if st else None,
                         now - h.status_received if st else None, len(h.requests), st.free_kv_tokens if st else None,
                         h.num_windows, h.lost_reason, num_dispatched,
-                        msgspec.to_builtins(h.ready.engine) if h.ready else None, h.restarts, h.window_open,
-                        st.num_running if st else None, st.num_waiting if st else None)
+                        msgspec.to_builtins(h.ready.engine) if h.ready else None, h.restarts,
+                        h.window_open and h.state != "lost",                        st.num_running if st else None, st.num_waiting if st else None)
 
 
 def _rebase(st: InstanceStatus, offset: float, routed: dict[str, float], first: dict[str, float]) -> InstanceStatus:
