@@ -36,6 +36,7 @@ class Dispatcher:
         self.reroutes = 0  # requests dispatched again after their instance was lost, before their first token
         self.migrations = 0  # started requests dispatched again (as prompt + output) after their instance was lost
         self.kv_bytes_moved = 0
+        self.mitosis_events = 0  # Scale actions applied (timed or by hand)
         # the latest migrations, {request_id, from, to}, for /cluster (which streams moved, and where)
         self.recent_migrations: deque[dict] = deque(maxlen=RECENT_MIGRATIONS)
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -159,9 +160,7 @@ class Dispatcher:
         if h is None or h.identity is None or h.state == "lost":
             return
         opening = isinstance(a, ev.OpenWindow)
-        if opening and not h.window_open:
-            h.num_windows += 1
-        h.window_open = opening
+        self.fe.board.window_set(h, opening, time.monotonic())
         self.fe.send(h, m.SetWindow(opening))
 
     def hold(self, a: ev.HoldOutput | ev.ReleaseOutput) -> None:
@@ -176,6 +175,7 @@ class Dispatcher:
 
     def scale(self, a: ev.Scale) -> None:
         """A mitosis step: the controller's topology already shows it (/cluster reads it from there)."""
+        self.mitosis_events += 1
         logger.info("mitosis: %s on macro instance %d, instances %s", a.kind, a.macro, list(a.instances))
 
     def timer(self, a: ev.SetTimer) -> None:

@@ -19,6 +19,30 @@ from ecoserve.live.messages import Ready
 from ecoserve.states import InstanceState, Phase, Role
 
 HandleState = Literal["starting", "ready", "lost"]  # what the driver itself knows; the rest is the topology's
+# upper bounds (seconds) of /metrics' window length histogram: a window holds one batch of prompts, so
+# from tens of milliseconds (a short prompt) to minutes (an instance left in its window while idle)
+WINDOW_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class WindowLengths:
+    """The lengths of an instance's closed prefill windows, bucketed as a Prometheus histogram
+    (kept as counts, not samples: a long run closes windows without end)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(WINDOW_BUCKETS) + 1))  # the last: > every bound
+    total_s: float = 0.0
+
+    def observe(self, length_s: float) -> None:
+        self.counts[next((i for i, b in enumerate(WINDOW_BUCKETS) if length_s <= b), len(WINDOW_BUCKETS))] += 1
+        self.total_s += length_s
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(`le`, count at or below it) per bound, then `+Inf`, as `HistogramMetricFamily` takes them."""
+        out, seen = [], 0
+        for bound, n in zip([*map(str, WINDOW_BUCKETS), "+Inf"], self.counts):
+            seen += n
+            out.append((bound, seen))
+        return out
 
 
 @dataclass
@@ -39,6 +63,8 @@ class InstanceHandle:
     lost_reason: str | None = None
     num_windows: int = 0
     window_open: bool = False
+    window_opened_at: float | None = None  # the frontend's clock, while `window_open`
+    window_lengths: WindowLengths = field(default_factory=WindowLengths)
     held: bool = False  # output hold (reference mode)
     join_deadline: float = float("inf")  # a starting instance that has not joined by then is lost
     restarts: int = 0  # times the frontend started this slot's process again
@@ -50,7 +76,7 @@ class InstanceHandle:
         self.identity, self.ready, self.pid, self.host = None, None, pid, None
         self.status, self.status_received, self.status_seq = None, 0.0, 0
         self.dispatch_seq, self.unseen, self.requests = 0, {}, set()
-        self.window_open, self.held = False, False
+        self.window_open, self.window_opened_at, self.held = False, None, False
         self.state, self.lost_reason, self.lost_at = "starting", None, None
         self.join_deadline, self.restart_pending = join_deadline, False
         self.restarts += 1
@@ -74,6 +100,9 @@ class InstanceView:
     num_dispatched: int
     engine: dict | None  # the engine settings the instance reported in its Ready
     restarts: int  # times the frontend restarted this slot's process
+    window_open: bool  # the frontend opened its prefill window and has not closed it (never while lost)
+    num_running: int | None  # as the instance last reported (None: no status yet)
+    num_waiting: int | None
 
 
 def view_of(h: InstanceHandle, topology: Topology | None, num_dispatched: int, now: float) -> InstanceView:
@@ -93,7 +122,8 @@ def view_of(h: InstanceHandle, topology: Topology | None, num_dispatched: int, n
     return InstanceView(h.instance_id, h.pid, h.host, state, role, st.phase if st else None,
                         now - h.status_received if st else None, len(h.requests), st.free_kv_tokens if st else None,
                         h.num_windows, h.lost_reason, num_dispatched,
-                        msgspec.to_builtins(h.ready.engine) if h.ready else None, h.restarts)
+                        msgspec.to_builtins(h.ready.engine) if h.ready else None, h.restarts,
+                        h.window_open and h.state != "lost",                        st.num_running if st else None, st.num_waiting if st else None)
 
 
 def _rebase(st: InstanceStatus, offset: float, routed: dict[str, float], first: dict[str, float]) -> InstanceStatus:
@@ -163,6 +193,16 @@ class InstanceBoard:
         extra = tuple(r for r in h.unseen.values() if r.request_id not in known)
         return dataclasses.replace(st, requests=st.requests + extra,
                                    free_kv_tokens=st.free_kv_tokens - sum(r.prompt_len + 1 for r in extra))
+
+    def window_set(self, h: InstanceHandle, opening: bool, now: float) -> None:
+        """The frontend opened or closed `h`'s window: count the opening, time the window when it closes."""
+        if opening and not h.window_open:
+            h.num_windows += 1
+            h.window_opened_at = now
+        elif not opening and h.window_open and h.window_opened_at is not None:
+            h.window_lengths.observe(now - h.window_opened_at)
+            h.window_opened_at = None
+        h.window_open = opening
 
     def forget(self, request_id: str) -> None:
         self.routed_at.pop(request_id, None)

@@ -23,6 +23,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from ecoserve.cluster import events as ev
 from ecoserve.cluster.controller import NoInstanceError
 from ecoserve.cluster.profile import StepTimeTable
+from ecoserve.cluster.topology import Topology
 from ecoserve.engine.async_engine import (EngineDeadError, EngineOverloadedError, EngineShutdownError, ModelFacts,
                                           StepObserver, check_grammar)
 from ecoserve.engine.guided import GrammarCompiler
@@ -30,7 +31,7 @@ from ecoserve.engine.llm_engine import validate_params
 from ecoserve.live import messages as m
 from ecoserve.live.actions import Dispatcher
 from ecoserve.live.auth import make_server, start_authenticator
-from ecoserve.live.board import InstanceBoard, InstanceHandle, InstanceView, view_of
+from ecoserve.live.board import InstanceBoard, InstanceHandle, InstanceView, WindowLengths, view_of
 from ecoserve.live.errors import UnroutableError
 from ecoserve.live.launchers import Launcher
 from ecoserve.live.receive import Receiver
@@ -413,7 +414,8 @@ class ClusterEngine:
         return {"reroutes": self.dispatcher.reroutes, "instance_deaths": self.health.deaths,
                 "kv_bytes_moved": self.dispatcher.kv_bytes_moved, "refused_instances": self.receiver.refused,
                 "migrations": self.dispatcher.migrations, "migration_failures": self.health.migration_failures,
-                "restarts": self.supervisor.restarts, "rejected_messages": self.receiver.rejected}
+                "restarts": self.supervisor.restarts, "rejected_messages": self.receiver.rejected,
+                "mitosis_events": self.dispatcher.mitosis_events}
 
     @property
     def recent_migrations(self) -> list[dict]:
@@ -422,9 +424,16 @@ class ClusterEngine:
     def views(self) -> list[InstanceView]:
         """Every instance: the driver's own knowledge, placed in the controller's topology once there is one."""
         now = time.monotonic()
-        topology = self.controller.topology() if self.controller is not None else None
+        topology = self.topology()
         sent = self.controller.summary()["num_dispatched"] if self.controller is not None else {}
         return [view_of(h, topology, sent.get(h.instance_id, 0), now) for h in self.board.instances.values()]
+
+    def topology(self) -> Topology | None:
+        """The controller's topology (None while the cluster is starting)."""
+        return self.controller.topology() if self.controller is not None else None
+
+    def window_lengths(self) -> dict[int, WindowLengths]:
+        return {h.instance_id: h.window_lengths for h in self.board.instances.values()}
 
     def scale_by_hand(self, macro: int, delta: int) -> list[dict]:
         """POST /cluster/scale: a mitosis step on `macro` (ValueError when the controller cannot)."""

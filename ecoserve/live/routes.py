@@ -7,9 +7,10 @@ from typing import Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ecoserve.live.board import InstanceView
+from ecoserve.cluster.topology import Topology
+from ecoserve.live.board import InstanceView, WindowLengths
 from ecoserve.states import INSTANCE_STATES, PHASES
 
 
@@ -21,14 +22,31 @@ class ClusterReadout(Protocol):
 
     def views(self) -> list[InstanceView]: ...
 
+    def topology(self) -> Topology | None: ...
+
+    def window_lengths(self) -> dict[int, WindowLengths]: ...
+
     @property
     def recent_migrations(self) -> list[dict]: ...
 
     def scale_by_hand(self, macro: int, delta: int) -> list[dict]: ...
 
 
+_CLUSTER_COUNTERS = (
+    ("reroutes", "Requests re-routed after their instance was lost."),
+    ("instance_deaths", "Instances declared lost."),
+    ("kv_bytes_moved", "KV bytes transferred between instances."),
+    ("refused_instances", "Instances refused at connect (version or model mismatch)."),
+    ("migrations", "Started streams moved to another instance after theirs was lost."),
+    ("migration_failures", "Started streams that could not move on and ended with an error."),
+    ("restarts", "Lost instances restarted by the frontend."),
+    ("rejected_messages", "Messages dropped for a wrong sender (news of a request another instance runs)."),
+    ("mitosis_events", "Mitosis steps applied to the topology (add, split, drain, merge, release)."))
+
+
 class ClusterCollector:
-    """Per-instance gauges and cluster counters, read from the frontend when scraped."""
+    """Per-instance series, the macro-instance topology and cluster counters, read from the frontend when
+    scraped (label `model_name` on all, `instance` on the per-instance ones)."""
 
     def __init__(self, cluster: ClusterReadout, model_name: str, prefix: str) -> None:
         self.cluster, self.model_name, self.prefix = cluster, model_name, prefix
@@ -39,14 +57,25 @@ class ClusterCollector:
         def gauge(name: str, doc: str, extra: list[str] = ()) -> GaugeMetricFamily:
             return GaugeMetricFamily(self.prefix + name, doc, labels=labels + list(extra))
 
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(self.prefix + name, doc, labels=labels)
+
         phase = gauge("instance_phase", "1 for the instance's current phase (idle, prefill, decode).", ["phase"])
         state = gauge("instance_state", "1 for the instance's state (starting, ready, draining, free, lost).",
                       ["state"])
         age = gauge("instance_status_age_seconds", "Seconds since the instance's last status.")
         reqs = gauge("instance_num_requests", "Requests the frontend has running on the instance.")
         free = gauge("instance_free_kv_tokens", "Free KV tokens the instance last reported.")
-        windows = CounterMetricFamily(self.prefix + "instance_windows", "Prefill windows opened on the instance.",
-                                      labels=labels)
+        running = gauge("instance_num_running", "Requests running on the instance, as it last reported.")
+        waiting = gauge("instance_num_waiting", "Requests queued on the instance, as it last reported.")
+        window_open = gauge("instance_window_open", "1 while the frontend holds the instance's prefill window open.")
+        windows = counter("instance_windows", "Prefill windows opened on the instance.")
+        routed = counter("instance_requests_routed", "Requests the controller dispatched to the instance.")
+        restarts = counter("instance_restarts", "Times the frontend restarted the instance's process.")
+        lengths = HistogramMetricFamily(self.prefix + "instance_window_length_seconds",
+                                        "Length of the instance's prefill windows, observed as each closes.",
+                                        labels=labels)
+        window_lengths = self.cluster.window_lengths()
         for v in self.cluster.views():
             lab = [self.model_name, str(v.id)]
             for p in PHASES:
@@ -54,25 +83,37 @@ class ClusterCollector:
             for s in INSTANCE_STATES:
                 state.add_metric(lab + [s], float(s == v.state))
             reqs.add_metric(lab, v.num_requests)
+            window_open.add_metric(lab, float(v.window_open))
             windows.add_metric(lab, v.num_windows)
+            routed.add_metric(lab, v.num_dispatched)
+            restarts.add_metric(lab, v.restarts)
             if v.status_age_s is not None:
                 age.add_metric(lab, v.status_age_s)
                 free.add_metric(lab, v.free_kv_tokens)
-        yield from (phase, state, age, reqs, free, windows)
+                running.add_metric(lab, v.num_running)
+                waiting.add_metric(lab, v.num_waiting)
+            wl = window_lengths.get(v.id)
+            if wl is not None:
+                lengths.add_metric(lab, wl.cumulative(), wl.total_s)
+        yield from (phase, state, age, reqs, free, running, waiting, window_open, windows, routed, restarts, lengths)
+        yield self._topology()
         counters = self.cluster.counters
-        for key, doc in (("reroutes", "Requests re-routed after their instance was lost."),
-                         ("instance_deaths", "Instances declared lost."),
-                         ("kv_bytes_moved", "KV bytes transferred between instances."),
-                         ("refused_instances", "Instances refused at connect (version or model mismatch)."),
-                         ("migrations", "Started streams moved to another instance after theirs was lost."),
-                         ("migration_failures", "Started streams that could not move on and ended with an "
-                                                "error."),
-                         ("restarts", "Lost instances restarted by the frontend."),
-                         ("rejected_messages", "Messages dropped for a wrong sender (news of a request another "
-                                               "instance runs).")):
+        for key, doc in _CLUSTER_COUNTERS:
             c = CounterMetricFamily(self.prefix + "cluster_" + key, doc, labels=["model_name"])
             c.add_metric([self.model_name], counters[key])
             yield c
+
+    def _topology(self) -> GaugeMetricFamily:
+        """1 per instance in a macro instance, with its role: a change of membership is a mitosis step."""
+        g = GaugeMetricFamily(self.prefix + "cluster_macro_instance",
+                              "1 for each instance of a macro instance (EcoServe), with the instance's role.",
+                              labels=["model_name", "macro", "instance", "role"])
+        topo = self.cluster.topology()
+        if topo is not None:
+            for macro, members in topo.macros.items():
+                for iid in members:
+                    g.add_metric([self.model_name, str(macro), str(iid), topo.roles.get(iid, "both")], 1.0)
+        return g
 
 
 def _bad_request(message: str, param: str | None = None) -> JSONResponse:
