@@ -71,10 +71,18 @@ class ServerMetrics:
         self.max_gen = hist("request_max_num_generation_tokens",
                             "Per finished request: the most tokens any one sample generated.", _TOKEN_BUCKETS)
         self.params_n = hist("request_params_n", "Samples per finished request (its n).", _N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "max_tokens of each accepted request.",
+                                      _TOKEN_BUCKETS)
         self.step_tokens = hist("iteration_tokens_total",
                                 "Tokens per engine step: new tokens, plus the uncached prompt of requests whose "
                                 "first token came in that step.", _STEP_TOKEN_BUCKETS)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last one)
+
+    def on_accepted(self, max_tokens: int | None, num_prompts: int) -> None:
+        """Called by the server once a job's prompts are queued (the engine's outputs do not carry max_tokens)."""
+        if max_tokens is not None:
+            for _ in range(num_prompts):
+                self.params_max_tokens.observe(max_tokens)
 
     # StepObserver, called on the engine thread
     def on_step(self, outputs: list[RequestOutput]) -> None:

@@ -100,6 +100,8 @@ class Job:
         except BaseException as e:
             job.abort()
             raise engine_error(e) from None
+        if hasattr(state.metrics, "on_accepted"):
+            state.metrics.on_accepted(params.max_tokens, len(prompts))
         return job
 
     def _sub_id(self, i: int) -> str:

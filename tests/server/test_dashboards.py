@@ -80,7 +80,8 @@ def test_issue_series_exist_and_count_the_request(vllm_scrape):
     """The documented production series beyond the dashboard, observed once for the one completion."""
     families = scraped_families(vllm_scrape)
     for name in ("time_per_output_token_seconds", "request_time_per_output_token_seconds", "kv_cache_usage_perc",
-                 "request_inference_time_seconds", "request_params_n", "iteration_tokens_total",
+                 "request_inference_time_seconds", "request_params_n", "request_params_max_tokens",
+                 "iteration_tokens_total",
                  "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
         assert "vllm:" + name in families, name
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in vllm_scrape.splitlines()
@@ -89,6 +90,8 @@ def test_issue_series_exist_and_count_the_request(vllm_scrape):
     assert samples[f"vllm:request_generation_tokens_sum{{{one}}}"] == 4
     assert samples[f"vllm:request_max_num_generation_tokens_sum{{{one}}}"] == 4
     assert samples[f"vllm:request_params_n_count{{{one}}}"] == 1
+    assert samples[f"vllm:request_params_max_tokens_count{{{one}}}"] == 1
+    assert samples[f"vllm:request_params_max_tokens_sum{{{one}}}"] == 4
     assert samples[f"vllm:request_prompt_tokens_sum{{{one}}}"] >= 1
     assert samples[f"vllm:time_per_output_token_seconds_count{{{one}}}"] == 3
     assert samples[f"vllm:iteration_tokens_total_sum{{{one}}}"] >= 4 + samples[f"vllm:request_prompt_tokens_sum{{{one}}}"] - 1
