@@ -123,3 +123,37 @@ def test_the_serve_flag():
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--otlp-traces-endpoint", "http://collector:4317"])
     assert args.otlp_traces_endpoint == "http://collector:4317"
+
+
+def test_the_routing_decision_is_an_event_and_attributes():
+    from types import SimpleNamespace
+
+    from ecoserve.cluster import events as ev
+    from ecoserve.live.actions import Dispatcher
+    from ecoserve.sampling import SamplingParams
+    from ecoserve.server.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RequestTracer(provider, "tiny")
+    tracer.start("r-0", {}, 3, SamplingParams(max_tokens=4))
+
+    class PaDGController:
+        pass
+
+    fe = SimpleNamespace(route_listener=tracer.on_route, controller=PaDGController())
+    status = SimpleNamespace(phase="prefill", free_kv_tokens=1024, requests=(1, 2))
+    handle = SimpleNamespace(instance_id=1, status=status, window_open=True)
+    Dispatcher._report_route(SimpleNamespace(fe=fe), SimpleNamespace(request_id="r-0", lost_from=None), handle,
+                             ev.Dispatch("r-0", 1, 4))
+    tracer.abort("r-0")
+    (span,) = exporter.get_finished_spans()
+    routed = [e for e in span.events if e.name == "routed"]
+    assert len(routed) == 1
+    assert dict(routed[0].attributes) == {
+        "ecoserve.route.instance_id": 1, "ecoserve.route.controller": "PaDGController",
+        "ecoserve.route.phase": "prefill", "ecoserve.route.window_open": True, "ecoserve.route.free_kv_tokens": 1024,
+        "ecoserve.route.num_requests": 2, "ecoserve.route.imported_tokens": 0, "ecoserve.route.reroute": False}
+    assert span.attributes["ecoserve.route.instance_id"] == 1
+    assert tuple(span.attributes["gen_ai.response.finish_reasons"]) == ("abort",)
