@@ -65,6 +65,7 @@ class Dispatcher:
         if req.streamed and not a.imported_tokens and req.lost_from is None:
             fe.fail(req, InstanceLostError("the request had streamed tokens and cannot move to another instance"))
             return
+        self._report_route(req, h, a)
         if req.lost_from is not None:
             lost_from, req.lost_from = req.lost_from, None
             if req.streamed:
@@ -83,6 +84,21 @@ class Dispatcher:
             self._export(req, req.kv_src, h, a.imported_tokens)
             return
         self._send_add(req, h, a)
+
+    def _report_route(self, req: LiveRequest, h: InstanceHandle, a: ev.Dispatch) -> None:
+        """Tell the request tracer (if any) where the controller sent the request and what that instance looked like."""
+        listener = getattr(self.fe, "route_listener", None)
+        if listener is None:
+            return
+        st = h.status
+        reason = {"controller": type(getattr(self.fe, "controller", None)).__name__, "phase": st.phase if st else None,
+                  "window_open": h.window_open, "free_kv_tokens": st.free_kv_tokens if st else None,
+                  "num_requests": len(st.requests) if st else None, "imported_tokens": a.imported_tokens,
+                  "reroute": req.lost_from is not None}
+        try:
+            listener(req.request_id, h.instance_id, reason)
+        except Exception:  # tracing must never take routing down
+            logger.exception("the route listener failed")
 
     def _send_add(self, req: LiveRequest, h: InstanceHandle, a: ev.Dispatch) -> None:
         remaining = req.remaining_tokens(self.max_model_len)

@@ -100,6 +100,7 @@ class ClusterEngine:
         self.model = model
         self.max_model_len = model.max_model_len
         self.observer = observer
+        self.route_listener: Callable[[str, int, dict[str, Any]], None] | None = None  # the request tracer's
         self.dead_error: BaseException | None = None
         # Grammars are compiled here to refuse a bad one with a 400; the instances compile their own.
         self._grammars = GrammarCompiler(model.tokenizer, model.vocab_size,

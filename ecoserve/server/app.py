@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Sequence
+from typing import Any, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -32,7 +32,8 @@ GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 def create_app(engine: EngineClient, served_model_name: str | None = None, generation_config: str = "auto", *,
                api_key: str | None = None, metrics_prefix: str = "ecoserve", tool_call_parser: str | None = None,
                routers: Sequence[APIRouter] = (), max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               enable_admin_api: bool = False, metrics_public: bool = False) -> FastAPI:
+               enable_admin_api: bool = False, metrics_public: bool = False,
+               otlp_traces_endpoint: str | None = None, tracer_provider: Any = None) -> FastAPI:
     """An app serving `engine`; the engine starts with the app's lifespan and stops with it.
 
     generation_config "auto": sampling fields a request omits take the model's generation_config.json
@@ -41,6 +42,8 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
     /metrics series (`vllm` for vLLM's dashboards); `tool_call_parser` reads tool calls out of the text
     for tool_choice "auto"; `routers` add routes of the engine's own (a cluster's /cluster), those
     tagged `admin` served only with `enable_admin_api`; a body over `max_request_body_bytes` is a 413.
+    `otlp_traces_endpoint` sends a span per request to that OTLP collector (`tracer_provider`, an
+    OpenTelemetry TracerProvider, takes its place: tests pass one with an in-memory exporter).
     """
     if generation_config not in GENERATION_CONFIG_CHOICES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
@@ -48,7 +51,8 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
     if engine.observer is None:
         engine.observer = ServerMetrics(engine, name, metrics_prefix)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
-    state = ServerState(engine, name, engine.observer, parser, use_generation_config=generation_config == "auto")
+    state = ServerState(engine, name, engine.observer, parser, use_generation_config=generation_config == "auto",
+                        tracer=_request_tracer(engine, name, otlp_traces_endpoint, tracer_provider))
     _log_sampling_defaults(state, generation_config)
     created = int(time.time())
 
@@ -133,6 +137,19 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
         app.include_router(router, dependencies=[Depends(guard)])
     _document_bodies(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
+
+
+def _request_tracer(engine: EngineClient, name: str, endpoint: str | None, provider: Any) -> Any:
+    """The RequestTracer when tracing is on (OpenTelemetry is imported only then), else None."""
+    if endpoint is None and provider is None:
+        return None
+    from ecoserve.server.tracing import RequestTracer, otlp_tracer_provider
+
+    tracer = RequestTracer(provider if provider is not None else otlp_tracer_provider(endpoint), name)
+    if hasattr(engine, "route_listener"):  # a cluster frontend reports where it routes each request
+        engine.route_listener = tracer.on_route
+    logger.info("request traces go to %s", endpoint or "the given tracer provider")
+    return tracer
 
 
 def _json_body(model: type[BaseModel]) -> dict:

@@ -24,7 +24,7 @@ from ecoserve.server.tools import ToolCalling, ToolStream, check_tools
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
     chat = await chat_input(state, body)
-    job = await Job.start(state, "chatcmpl", [chat.prompt], chat.params, chat.structured_param)
+    job = await Job.start(state, "chatcmpl", [chat.prompt], chat.params, chat.structured_param, raw.headers)
     if body.stream:
         return sse_response(job, "chat.completion.chunk", _chunks(state, body, chat.calling, job),
                             body.include_usage())

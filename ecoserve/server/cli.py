@@ -54,7 +54,7 @@ def run_server(args: argparse.Namespace, engine: EngineClient, routers: Sequence
     app = create_app(engine, name, args.generation_config, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                      metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser, routers=routers,
                      max_request_body_bytes=args.max_request_body_bytes, enable_admin_api=args.enable_admin_api,
-                     metrics_public=args.metrics_public)
+                     metrics_public=args.metrics_public, otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
@@ -99,6 +99,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "vLLM's Grafana dashboards and alerts read them unchanged")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read out of the model's text for tool_choice 'auto'")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send an OpenTelemetry span per request (vLLM's llm_request, with gen_ai.* attributes and "
+                        "the cluster's routing) to this OTLP collector, e.g. http://localhost:4317; gRPC unless "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; needs `pip install ecoserve[otel]`")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     return p

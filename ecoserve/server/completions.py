@@ -20,7 +20,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     structured, param = body.requested_structure()
     params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None,
                                   structured=structured)
-    job = await Job.start(state, "cmpl", prompts, params, param)
+    job = await Job.start(state, "cmpl", prompts, params, param, raw.headers)
     if body.stream:
         return sse_response(job, "text_completion", _chunks(state, body, job), body.include_usage())
     finals = await job.run_to_end(raw)

@@ -15,7 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Mapping
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -90,12 +90,16 @@ class Job:
 
     @classmethod
     async def start(cls, state: ServerState, prefix: str, prompts: list[Prompt], params: SamplingParams,
-                    structured_param: str) -> Job:
-        """Compile the grammar (a bad one is a 400 naming `structured_param`), then queue every prompt or none."""
+                    structured_param: str, headers: Mapping[str, str] | None = None) -> Job:
+        """Compile the grammar (a bad one is a 400 naming `structured_param`), then queue every prompt or none.
+
+        With tracing on, each prompt's span continues the trace of the `headers`' traceparent."""
         await state.compile_structured(params, structured_param)
         job = cls(state, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
         try:
             for i, p in enumerate(prompts):
+                if state.tracer is not None:  # before generate: a cluster reports its routing while queueing
+                    state.tracer.start(job._sub_id(i), headers, len(p.token_ids), params)
                 job.streams.append(state.engine.generate(job._sub_id(i), p.token_ids, params, p.text))
         except BaseException as e:
             job.abort()
@@ -111,12 +115,17 @@ class Job:
         """Abort every queued request (a no-op for those that finished)."""
         for i in range(len(self.streams)):
             self.state.engine.abort(self._sub_id(i))
+        if self.state.tracer is not None:
+            for i in range(len(self.prompts)):
+                self.state.tracer.abort(self._sub_id(i))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every prompt's outputs as they come, tagged with the prompt's index."""
         async with aclosing(_merge(self.streams)) as merged:
             async for i, out in merged:
                 self.finals[i] = out
+                if out.finished and self.state.tracer is not None:
+                    self.state.tracer.finish(self._sub_id(i), out)
                 yield i, out
 
     async def run_to_end(self, raw: Request) -> list[RequestOutput] | None:
@@ -294,6 +303,7 @@ class ServerState:
     metrics: Any = None
     tool_parser: ToolParser | None = None  # reads tool_choice "auto" calls (--tool-call-parser)
     use_generation_config: bool = True  # unset sampling fields take the model's generation_config.json
+    tracer: Any = None  # a RequestTracer with --otlp-traces-endpoint
     token_text: TokenText = field(init=False)
 
     pool: ThreadPoolExecutor = field(init=False)

@@ -59,13 +59,14 @@ def start_cluster(model: str, controller_factory, num_instances: int, args_for, 
 
 
 def start_strategy(model: str, strategy: str, num_instances: int, instance_args: list[str], ttft_slo: float = 2.0,
-                   tpot_slo: float = 0.5, launcher: str = "local", **controller) -> RunningCluster:
+                   tpot_slo: float = 0.5, launcher: str = "local", app_kwargs: dict | None = None,
+                   **controller) -> RunningCluster:
     """The cluster `ecoserve serve --strategy` builds (real controllers), in this process."""
     from ecoserve.live.serve import LiveCluster, build_cluster
 
     free = controller.pop("num_free_instances", 0)
     spec = LiveCluster(strategy, num_instances, free, controller, tuple(instance_args), launcher)
-    return serve(build_cluster(model_facts(model), spec, spec.options(ttft_slo, tpot_slo, 512)))
+    return serve(build_cluster(model_facts(model), spec, spec.options(ttft_slo, tpot_slo, 512)), app_kwargs)
 
 
 def model_facts(model: str):
@@ -76,14 +77,14 @@ def model_facts(model: str):
     return ModelFacts.of(load_model_info(model), MAX_MODEL_LEN)
 
 
-def serve(engine) -> RunningCluster:
+def serve(engine, app_kwargs: dict | None = None) -> RunningCluster:
     """The OpenAI app with the cluster routes over `engine`, on uvicorn in a thread; returns once every
     instance has joined (as `ecoserve serve --strategy` composes them)."""
     from ecoserve.live.routes import cluster_router
     from ecoserve.server.app import create_app
 
     url, server, thread = serve_in_thread(create_app(engine, "tiny", routers=[cluster_router(engine)],
-                                                     enable_admin_api=True))
+                                                     enable_admin_api=True, **(app_kwargs or {})))
     deadline = time.monotonic() + 240
     while True:
         assert time.monotonic() < deadline and thread.is_alive(), "the cluster did not become healthy"
