@@ -188,7 +188,34 @@ def main(args: argparse.Namespace) -> int:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
         print(f"result written to {path}")
+    if args.plot:
+        plot_cluster_timeline(base_url, args.plot)
     return 0
+
+
+def plot_cluster_timeline(base_url: str, path: str) -> bool:
+    """`--plot`: fetch the cluster's `GET /cluster/timeline` and draw it; a single engine has none (skipped)."""
+    import urllib.error
+    import urllib.request
+
+    from ecoserve.cluster.timeline import ClusterTimeline
+    from ecoserve.sim.timeline_plot import plot_timeline
+
+    try:
+        with urllib.request.urlopen(f"{base_url}/cluster/timeline", timeout=30) as r:
+            timeline = ClusterTimeline.from_json(json.loads(r.read()))
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            print(f"--plot: {base_url} is not a cluster (no /cluster/timeline); no timeline to plot", file=sys.stderr)
+        else:
+            print(f"--plot: GET /cluster/timeline failed: {e}", file=sys.stderr)
+        return False
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"--plot: GET /cluster/timeline failed: {e}", file=sys.stderr)
+        return False
+    plot_timeline(timeline, path, title=f"cluster timeline: {base_url}")
+    print(f"cluster timeline written to {path}")
+    return True
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -225,6 +252,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", default=None)
     p.add_argument("--result-filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="after the run, write a PNG of the cluster timeline (GET /cluster/timeline: phase per "
+                        "instance, prefill windows, routed requests); skipped for a single engine")
     p.add_argument("--ready-check-timeout-sec", type=int, default=600,
                    help="retry a first test request this long while the server starts; 0 skips it")
 

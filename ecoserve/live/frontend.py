@@ -23,6 +23,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from ecoserve.cluster import events as ev
 from ecoserve.cluster.controller import NoInstanceError
 from ecoserve.cluster.profile import StepTimeTable
+from ecoserve.cluster.timeline import ClusterTimeline, TimelineRecorder
 from ecoserve.cluster.topology import Topology
 from ecoserve.engine.async_engine import (EngineDeadError, EngineOverloadedError, EngineShutdownError, ModelFacts,
                                           StepObserver, check_grammar)
@@ -111,6 +112,8 @@ class ClusterEngine:
         self.opts = options
         self.board = InstanceBoard()
         self.planned = list(instance_ids)
+        self.timeline = TimelineRecorder(self.planned)  # bounded: the last events of each kind
+        self._started = time.monotonic()  # the timeline's zero
         self.requests: dict[str, LiveRequest] = {}
         self.dispatcher = Dispatcher(self, model.max_model_len, options.kv_transfer_timeout_s)
         self.receiver = Receiver(self, self.dispatcher, identity or model.name, self.planned, launcher is not None)
@@ -308,7 +311,23 @@ class ClusterEngine:
             logger.exception("the cluster controller failed on %s", type(event).__name__)
             self._end_stranded(event, err)
             return
+        self._record(event, actions)
         self.dispatcher.apply(actions)
+
+    def _record(self, event: ev.Event, actions: list[ev.Action]) -> None:
+        """The timeline: phase changes from statuses, windows and dispatches from the controller's actions."""
+        now, tl = time.monotonic() - self._started, self.timeline
+        if isinstance(event, ev.InstanceReported):
+            h = self.board.instances.get(event.instance_id)
+            if h is not None and h.status is not None:
+                tl.phase(now, event.instance_id, h.status.phase)
+        for a in actions:
+            if isinstance(a, ev.Dispatch):
+                tl.routed(now, a.instance_id)
+            elif isinstance(a, ev.OpenWindow):
+                tl.window_opened(now, a.instance_id)
+            elif isinstance(a, ev.CloseWindow):
+                tl.window_closed(now, a.instance_id)
 
     def _end_stranded(self, event: ev.Event, err: Exception) -> None:
         """A controller that could not act must not leave requests waiting for their deadline: end the
@@ -435,6 +454,10 @@ class ClusterEngine:
 
     def window_lengths(self) -> dict[int, WindowLengths]:
         return {h.instance_id: h.window_lengths for h in self.board.instances.values()}
+
+    def cluster_timeline(self) -> ClusterTimeline:
+        """GET /cluster/timeline: seconds since the frontend started."""
+        return self.timeline.snapshot(time.monotonic() - self._started)
 
     def scale_by_hand(self, macro: int, delta: int) -> list[dict]:
         """POST /cluster/scale: a mitosis step on `macro` (ValueError when the controller cannot)."""

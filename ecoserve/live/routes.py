@@ -148,4 +148,14 @@ def cluster_router(cluster: ClusterReadout) -> APIRouter:
         except ValueError as e:
             return _bad_request(str(e), param="macro")
 
+    timeline_route(router, cluster)
     return router
+
+
+def timeline_route(router: APIRouter, cluster) -> None:
+    """`GET /cluster/timeline`: phase per instance over time, prefill windows, routed requests (what
+    `ecoserve bench serve --plot` draws); `cluster` has `cluster_timeline() -> ClusterTimeline`."""
+
+    @router.get("/cluster/timeline")
+    async def timeline() -> dict:
+        return cluster.cluster_timeline().to_json()

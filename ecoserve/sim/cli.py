@@ -56,6 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mitosis-step", type=float, default=None, help="mitosis: seconds per rate step (default 120)")
     p.add_argument("--models", default=None, help="experiments: comma-separated models (default: the paper's)")
     p.add_argument("--datasets", default=None, help="experiments: comma-separated datasets")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="run: write a PNG of the cluster timeline (phase per instance, prefill windows, "
+                        "routed requests) at PATH")
     p.set_defaults(func=main)
     return p
 
@@ -96,7 +99,8 @@ def main(args: argparse.Namespace) -> int:
     wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
                                                              seed=args.seed, arrival=args.arrival, cv=args.cv)
     router = {"output_hold": args.output_hold == "on"} if args.output_hold is not None else {}
-    res = build(args.strategy, spec, ttft, tpot, router_mode=args.router_mode, router=router).run(wl, progress=True)
+    sim = build(args.strategy, spec, ttft, tpot, router_mode=args.router_mode, router=router)
+    res = sim.run(wl, progress=True)
     summary = summarize(res.records, ttft, tpot, res.num_submitted)
     out.mkdir(parents=True, exist_ok=True)
     extra = {k: v for k, v in res.extra.items() if k not in ("timeline", "instances")}
@@ -104,6 +108,10 @@ def main(args: argparse.Namespace) -> int:
                                               "instances": res.extra["instances"], "extra": extra}, indent=1))
     print(json.dumps(summary, indent=1))
     print(instance_table(res.extra["instances"]))
+    if args.plot:
+        from ecoserve.sim.timeline_plot import plot_timeline
+        plot_timeline(sim.timeline.snapshot(res.sim_time), args.plot, title=f"{args.strategy}: simulated cluster")
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -15,6 +15,7 @@ from ecoserve.cluster.events import (STAGING, CloseWindow, Dispatch, FinishReque
 from ecoserve.cluster.profile import PROFILE_TOKENS
 from ecoserve.cluster.status import InstanceStatus
 from ecoserve.cluster.strategies import STRATEGIES, ControllerOptions, build_controller
+from ecoserve.cluster.timeline import TimelineRecorder
 from ecoserve.config import SchedulerConfig
 from ecoserve.sim.engine import EventLoop
 from ecoserve.sim.events import Event, LinkCompletion, RequestArrival, StepEnd, Timer
@@ -85,6 +86,9 @@ class ClusterSim:
             cfg = SchedulerConfig(policy=setup.policy, max_num_seqs=spec.max_num_seqs,
                                   max_num_batched_tokens=setup.max_num_batched_tokens or spec.max_num_batched_tokens)
             self.instances.append(SimInstance(iid, self.perf, self.clock, cfg, self.num_blocks, spec.block_size))
+        self.timeline = TimelineRecorder([i.instance_id for i in self.instances])  # what `--plot` draws
+        for inst in self.instances:
+            self.timeline.phase(0.0, inst.instance_id, "idle")
         intra = get_gpu(spec.gpu).intra_node_link
         self.links = {i: LinkQueue(get_link(intra if s.kv_path == "intra_node" else spec.network))
                       for i, s in self.controller.setups.items() if s.role == "prefill"}
@@ -113,6 +117,7 @@ class ClusterSim:
                 req = self.requests[a.request_id]
                 inst.add(a.request_id, req.input_len + 1 if a.imported_tokens else req.input_len, a.max_tokens,
                          a.imported_tokens)
+                self.timeline.routed(self.clock.now(), a.instance_id)
                 events.extend(self.kick(inst))
             elif t is TransferKV:
                 self._nbytes[a.request_id] = a.nbytes
@@ -121,9 +126,11 @@ class ClusterSim:
                 inst = self.instances[a.instance_id]
                 inst.open_window()
                 self.window_opens.append((self.clock.now(), a.instance_id))
+                self.timeline.window_opened(self.clock.now(), a.instance_id)
                 events.extend(self.kick(inst))
             elif t is CloseWindow:
                 self.instances[a.instance_id].close_window()
+                self.timeline.window_closed(self.clock.now(), a.instance_id)
             elif t is HoldOutput:
                 self._held.setdefault(a.instance_id, set())
             elif t is ReleaseOutput:
@@ -138,6 +145,10 @@ class ClusterSim:
 
     def kick(self, inst: SimInstance) -> list[Event]:
         end = inst.try_start()
+        if end is not None:
+            self.timeline.phase(self.clock.now(), inst.instance_id, inst.sched.phase)
+        elif not inst.busy:
+            self.timeline.phase(self.clock.now(), inst.instance_id, "idle")
         return [StepEnd(end, inst)] if end is not None else []
 
     # ---- simulator events -> controller events ---------------------------------------------------
