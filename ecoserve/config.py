@@ -12,10 +12,12 @@ from typing import Any, Callable, Collection
 
 # --quantization: none (float weights), gguf (a GGUF file's blocks as stored), int8 (Q8_0 of a float checkpoint)
 QUANTIZATIONS = ("none", "gguf", "int8")
-# --cpu-linear: float32 linears on CPU through torch's F.linear, or oneDNN with prepacked weights; auto
-# (the default) packs them where oneDNN is available and the model is loaded whole in one process
+# --cpu-linear: float32 and bfloat16 linears on CPU through torch's F.linear, or oneDNN with prepacked weights;
+# auto (the default) packs them where oneDNN is available and the model is loaded whole in one process
 CPU_LINEARS = ("auto", "torch", "onednn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype: the element type of the KV cache; auto: the model's dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -30,9 +32,12 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks: int | None = None  # explicit block count overrides the byte budget (tests force tiny pools)
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # KV element type: auto (the model's dtype) | bfloat16 | float32
 
     def __post_init__(self) -> None:
         _need(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _need(self.cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                                                   f"got {self.cache_dtype!r}")
         _need(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
               f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         _need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
@@ -138,9 +143,9 @@ class EngineConfig:
 
     model: str | None = None  # local dir, hub id or .gguf path; None: the embedded default
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto (float32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (see model.loader.resolve_dtype) | float32 | bfloat16 | float16
     quantization: str | None = None  # None/none: float weights | gguf: keep GGUF blocks | int8: Q8_0 weights (CPU)
-    cpu_linear: str = "auto"  # float32 linears on CPU: auto | torch (F.linear) | onednn (prepacked oneDNN weights)
+    cpu_linear: str = "auto"  # linears on CPU: auto | torch (F.linear) | onednn (prepacked oneDNN weights)
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
@@ -199,15 +204,18 @@ class EngineArgs:
         EngineConfig.skip_tokenizer_init, "--skip-tokenizer-init",
         help="load no tokenizer: prompts and outputs are token ids only")
     dtype: str = _option(EngineConfig.dtype, "--dtype", choices=DTYPES,
-                         help="weights and activations; auto: float32 on CPU")
+                         help="weights and activations; auto: bfloat16 on a CPU with bf16 instructions (AVX512-BF16 or "
+                              "AMX) when the checkpoint is bfloat16 or float16 and unquantized, else float32; on GPUs "
+                              "the checkpoint's half dtype")
     quantization: str | None = _option(
         EngineConfig.quantization, "--quantization", choices=QUANTIZATIONS,
         help="weight-only quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model keeps its "
              "Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints")
     cpu_linear: str = _option(
         EngineConfig.cpu_linear, "--cpu-linear", choices=CPU_LINEARS,
-        help="float32 linear layers on CPU: oneDNN with prepacked weights (onednn), torch's F.linear (torch), or "
-             "auto (default): onednn where torch has it and one process holds the model")
+        help="float32 and bfloat16 linear layers on CPU: oneDNN with prepacked weights (onednn), torch's F.linear "
+             "(torch), or auto (default): onednn where torch has it and one process holds the model (bfloat16 layers "
+             "where oneDNN has bf16 support)")
     device: str = _option(EngineConfig.device, "--device", help="the torch device the model runs on")
     seed: int = _option(EngineConfig.seed, "--seed", type=int, help="seed of the sampler's random numbers")
     num_threads: int | None = _option(EngineConfig.num_threads, "--num-threads", type=int,
@@ -237,6 +245,9 @@ class EngineArgs:
                                          help="KV blocks (overrides the byte budget)")
     enable_prefix_caching: bool = _option(_CACHE.enable_prefix_caching, "--no-enable-prefix-caching",
                                           help="do not share the KV blocks of common prompt prefixes")
+    kv_cache_dtype: str = _option(_CACHE.cache_dtype, "--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                                  help="KV cache element type; auto (default): the model's dtype (a bfloat16 cache "
+                                       "halves KV memory and the bytes decode attention reads)")
     tensor_parallel_size: int = _option(_PAR.tensor_parallel_size, "--tensor-parallel-size", "-tp", type=int,
                                         help="ranks per pipeline stage")
     pipeline_parallel_size: int = _option(_PAR.pipeline_parallel_size, "--pipeline-parallel-size", "-pp", type=int,
@@ -320,7 +331,8 @@ class EngineArgs:
                                       max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                                       max_waiting=self.max_waiting),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                              num_gpu_blocks=self.num_gpu_blocks, enable_prefix_caching=self.enable_prefix_caching),
+                              num_gpu_blocks=self.num_gpu_blocks, enable_prefix_caching=self.enable_prefix_caching,
+                              cache_dtype=self.kv_cache_dtype),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     pp_layer_partition=self.pp_layer_partition,

@@ -11,7 +11,7 @@ from ecoserve.engine.llm import LLM
 
 FIELDS = dataclasses.fields(EngineArgs)
 RENAMED = {"scheduling_policy": "policy", "grammar_compile_timeout_s": "compile_timeout_s",
-           "grammar_cache_size": "cache_size"}  # EngineArgs name -> the typed config's
+           "grammar_cache_size": "cache_size", "kv_cache_dtype": "cache_dtype"}  # EngineArgs name -> the typed config's
 
 
 def non_default(f: dataclasses.Field) -> typing.Any:
@@ -101,6 +101,7 @@ def test_today_flag_names_and_aliases_parse():
     (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
     (lambda: SchedulerConfig(max_waiting=0), "max_waiting"),
     (lambda: EngineConfig(dtype="float8"), "dtype"),
+    (lambda: CacheConfig(cache_dtype="fp8"), "kv_cache_dtype"),
     (lambda: LLM("m", no_such_option=1), "unknown engine option.*no_such_option"),
 ])
 def test_invalid_options_name_the_field(build, field):
@@ -112,3 +113,15 @@ def test_a_bad_layer_partition_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         parse(["--pp-layer-partition", "3,x"])
     assert "pp_layer_partition must be comma-separated layer counts" in capsys.readouterr().err
+
+
+def test_kv_cache_dtype_is_vllms_flag_and_reaches_the_cache_config():
+    args = parse(["--kv-cache-dtype", "float32", "--dtype", "bfloat16"])
+    assert args == EngineArgs(kv_cache_dtype="float32", dtype="bfloat16")
+    assert args.to_cli_args() == ["--dtype", "bfloat16", "--kv-cache-dtype", "float32"]
+    assert parse(args.to_cli_args()) == args
+    assert args.create_engine_config().cache.cache_dtype == "float32"
+    assert EngineArgs.from_kwargs("m", kv_cache_dtype="bfloat16").create_engine_config().cache.cache_dtype == \
+        "bfloat16"
+    with pytest.raises(SystemExit):
+        parse(["--kv-cache-dtype", "fp8"])  # not a choice: argparse refuses it

@@ -175,6 +175,12 @@ def _greedy_steps(path: str | Path, prompt_ids: list[int], max_new_tokens: int, 
     return tokens, logits_per_step
 
 
+def hf_greedy_logits(path: str | Path, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
+                     dtype: torch.dtype = torch.float32) -> tuple[list[int], list[torch.Tensor]]:
+    """HF greedy continuation and the float32 logits [vocab] each of its tokens was chosen from."""
+    return _greedy_steps(path, prompt_ids, max_new_tokens, ignore_eos, dtype)
+
+
 def hf_greedy(path: str | Path, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
               dtype: torch.dtype = torch.float32) -> list[int]:
     """HF greedy continuation of one prompt: the new tokens, ending with EOS if it was generated."""

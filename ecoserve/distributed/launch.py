@@ -21,5 +21,6 @@ def start_workers(config: EngineConfig, loaded, num_blocks: int, max_model_len: 
         topology=Topology(parallel.tensor_parallel_size, parallel.pipeline_parallel_size),
         layer_bounds=tuple((r.start, r.stop) for r in stages), num_blocks=num_blocks,
         block_size=config.cache.block_size, seed=config.seed, max_model_len=max_model_len, port=free_port(),
-        collective_timeout_s=parallel.step_timeout_s, num_threads=config.num_threads or 1)
+        collective_timeout_s=parallel.step_timeout_s, num_threads=config.num_threads or 1,
+        kv_cache_dtype=config.cache.cache_dtype)
     return MultiprocExecutor(worker, parallel.step_timeout_s, parallel.startup_timeout_s)

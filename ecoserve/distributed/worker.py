@@ -37,6 +37,7 @@ class WorkerSpec:
     port: int
     collective_timeout_s: float
     num_threads: int | None = 1
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ def _heartbeat(slots, rank: int) -> None:
 
 def build_runner(spec: WorkerSpec, rank: int):
     """Join the process groups, load this rank's shard and wrap it in a ModelRunner."""
+    from ecoserve.engine.kv_cache import resolve_cache_dtype
     from ecoserve.engine.model_runner import ModelRunner
     from ecoserve.model.loader import build_model, resolve_dtype
     from ecoserve.model.parallel import ShardPlan
@@ -79,7 +81,8 @@ def build_runner(spec: WorkerSpec, rank: int):
     dtype = resolve_dtype(spec.dtype, device, model_spec.torch_dtype)
     model = build_model(model_spec, Path(spec.model_path), dtype, device, shard, tp, link)
     model.ensure_positions(spec.max_model_len)
-    return ModelRunner(model, spec.num_blocks, spec.block_size, device, spec.seed), link
+    return ModelRunner(model, spec.num_blocks, spec.block_size, device, spec.seed,
+                       resolve_cache_dtype(spec.kv_cache_dtype, dtype)), link
 
 
 def worker_main(spec: WorkerSpec, rank: int, conn, heartbeats) -> None:

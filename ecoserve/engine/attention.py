@@ -40,8 +40,10 @@ class PagedAttention:
         meta = self.meta
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]  # [blocks, bs, Hkv, D]
         hkv, d = k.shape[1], k.shape[2]
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        # the cache may hold another dtype than the activations (--kv-cache-dtype): stored converted, and the
+        # gathers below convert back to q's dtype for SDPA
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the qkv output
         if meta.prefill_batch is not None:
@@ -55,8 +57,8 @@ class PagedAttention:
                 ks, vs = k[q_slice], v[q_slice]
                 mask = None
             else:
-                ks = k_cache[span.blocks].view(-1, hkv, d)[:span.ctx_len]
-                vs = v_cache[span.blocks].view(-1, hkv, d)[:span.ctx_len]
+                ks = k_cache[span.blocks].view(-1, hkv, d)[:span.ctx_len].to(q.dtype)
+                vs = v_cache[span.blocks].view(-1, hkv, d)[:span.ctx_len].to(q.dtype)
                 past = span.ctx_len - span.q_len
                 mask = torch.arange(span.ctx_len)[None, :] <= torch.arange(past, span.ctx_len)[:, None]
             o = F.scaled_dot_product_attention(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
@@ -69,8 +71,8 @@ class PagedAttention:
                 continue
             b = group.blocks.shape[0]
             qd = q[group.token_index].unsqueeze(2)  # [B, Hq, 1, D]
-            kd = k_cache[group.blocks].view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_cache[group.blocks].view(b, -1, hkv, d).transpose(1, 2)
+            kd = k_cache[group.blocks].view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+            vd = v_cache[group.blocks].view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
             out[group.token_index] = o.squeeze(2)
         return out

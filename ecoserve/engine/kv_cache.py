@@ -3,6 +3,18 @@ from __future__ import annotations
 
 import torch
 
+_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: 'auto' keeps K/V in the model's dtype; a named one stores them converted (a float32
+    cache keeps a bfloat16 model's K/V exactly; a bfloat16 cache halves a float32 model's KV bytes)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+    return _CACHE_DTYPES[kv_cache_dtype]
+
 
 class PagedKVCache:
     """KV tensors for all layers: [num_layers, num_blocks, block_size, kv_heads, head_dim].
@@ -22,4 +34,5 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V of one token in every layer, in the cache's element type `dtype`."""
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

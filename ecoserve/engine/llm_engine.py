@@ -12,7 +12,7 @@ import torch
 
 from ecoserve.clock import Clock, WallClock
 from ecoserve.config import EngineConfig
-from ecoserve.engine.kv_cache import PagedKVCache
+from ecoserve.engine.kv_cache import PagedKVCache, resolve_cache_dtype
 from ecoserve.engine.cpu import tune_allocator
 from ecoserve.engine.detokenizer import IncrementalDetokenizer
 from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder, compile_error
@@ -131,9 +131,9 @@ class LLMEngine:
         if capacity < self.max_model_len:
             raise ValueError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer than "
                              f"max_model_len ({self.max_model_len}); raise the KV budget or lower max_model_len")
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at max_model_len %d: "
-                    "%.2fx", num_blocks, block_size, capacity, capacity * per_token / 2**20, self.max_model_len,
-                    capacity / self.max_model_len)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len "
+                    "%d: %.2fx", num_blocks, block_size, capacity, capacity * per_token / 2**20,
+                    str(self.kv_cache_dtype).removeprefix("torch."), self.max_model_len, capacity / self.max_model_len)
         sched_config = config.scheduler
         if sched_config.tdpipe.num_stages is None and parallel.pipeline_parallel_size > 1:  # tdpipe: the real stages
             sched_config = replace(sched_config, tdpipe=replace(sched_config.tdpipe,
@@ -148,7 +148,8 @@ class LLMEngine:
         self.on_grammar_ready: Callable[[], None] | None = None  # called on the grammar thread: wake the stepper
         if parallel.world_size == 1:
             loaded.model.ensure_positions(self.max_model_len)
-            self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed)
+            self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed,
+                                        self.kv_cache_dtype)
         else:
             from ecoserve.distributed.launch import start_workers
             self.executor = start_workers(config, loaded, num_blocks, self.max_model_len)
@@ -162,20 +163,35 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.last_step_empty = False  # the last step() found nothing it could schedule
 
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype of weights and activations (resolved from --dtype as every rank resolves it)."""
+        if self.loaded.model is not None:
+            return self.loaded.model.dtype
+        from ecoserve.model.loader import resolve_dtype
+
+        config = self.config
+        return resolve_dtype(config.dtype, config.device, self.loaded.spec.torch_dtype, self.loaded.quantization)
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type (--kv-cache-dtype; auto: the model's dtype)."""
+        return resolve_cache_dtype(self.config.cache.cache_dtype, self.model_dtype)
+
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token on the most loaded rank (the budget is per rank; blocks are the same on all)."""
         config, spec = self.config, self.loaded.spec
         parallel = config.parallel
         if parallel.world_size == 1:
             model = self.loaded.model
-            return PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
-        from ecoserve.model.loader import resolve_dtype
+            return PagedKVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
+                                                self.kv_cache_dtype)
         from ecoserve.model.parallel import HeadShard, partition_layers
 
         stages = partition_layers(spec.num_layers, parallel.pipeline_parallel_size, parallel.pp_layer_partition)
         kv_heads = HeadShard.of(spec, parallel.tensor_parallel_size, 0).num_kv_heads
-        dtype = resolve_dtype(config.dtype, config.device, spec.torch_dtype)
-        return max(PagedKVCache.bytes_per_token(len(r), kv_heads, spec.head_dim, dtype) for r in stages)
+        return max(PagedKVCache.bytes_per_token(len(r), kv_heads, spec.head_dim, self.kv_cache_dtype)
+                   for r in stages)
 
     def check(self) -> None:
         """Raise the executor's error if a rank of a parallel instance has died or stalled, even while idle."""

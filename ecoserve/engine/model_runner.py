@@ -24,12 +24,15 @@ from ecoserve.sched.interface import SchedulerOutput, StepResult
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None) -> None:
+        """`kv_cache_dtype`: the KV cache's element type (None: the model's dtype)."""
         self.model = model
         self.device = torch.device(device)
+        cache_dtype = kv_cache_dtype or model.dtype
         self.kv_cache = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
-                                     model.dtype, self.device)
-        self.attention = PagedAttention(self.kv_cache)
+                                     cache_dtype, self.device)
+        # the native attention kernels read a cache of the activations' dtype; a mixed pair runs torch SDPA
+        self.attention = PagedAttention(self.kv_cache, use_native=None if cache_dtype == model.dtype else False)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)

@@ -49,11 +49,7 @@ class RealEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.quantization = engine.loaded.quantization
-        from ecoserve.model.loader import resolve_dtype
-        config = engine.config
-        dtype = (self.kv_cache.k.dtype if self.kv_cache is not None
-                 else resolve_dtype(config.dtype, config.device, engine.loaded.spec.torch_dtype))
-        self.kv_dtype = str(dtype).removeprefix("torch.")
+        self.kv_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
 
     def kv_frame_sizes(self, num_blocks: int) -> list[int]:
         """The frames a transfer of `num_blocks` blocks carries: K and V, each half the KV bytes."""

@@ -144,8 +144,12 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (None on tensor-parallel ranks > 0)."""
-        return self.lm_head(hidden)
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (None on tensor-parallel ranks > 0).
+
+        The head runs in the model's dtype and its output is upcast, as HF does: the sampler and
+        logprobs then work in float32 (a prepacked head returns the model's dtype)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
 
     # HF checkpoint names -> our fused parameters: (fused name, shard index)
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from ecoserve.model.parallel import ShardPlan, StageLink, TPComm
 from ecoserve.config import QUANTIZATIONS
+from ecoserve.kernels import cpu_flags
+from ecoserve.model.parallel import ShardPlan, StageLink, TPComm
 from ecoserve.model.quant import describe_weights, quantize_linears_int8, quantize_model_modules, weight_bytes
 from ecoserve.model.registry import get_model_class
 from ecoserve.model.spec import ModelLoadError, ModelSpec
@@ -39,18 +40,44 @@ class LoadedModel:
     quantization: str | None = None  # "gguf" | "int8" | None (float weights)
 
 
+# x86 flags of the instructions that make bfloat16 GEMMs fast (oneDNN uses AMX, else AVX512-BF16)
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+_HALF_CHECKPOINTS = ("bfloat16", "float16")
+
+
+def cpu_has_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (or one with these /proc/cpuinfo `flags`) has bfloat16 instructions."""
+    return bool(BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags))
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
-                  checkpoint_dtype: str | None = None) -> torch.dtype:
-    """'auto': float32 on CPU (fast, exact); on accelerators the checkpoint's half dtype, else bfloat16."""
+                  checkpoint_dtype: str | None = None, quantization: str | None = None,
+                  flags: frozenset[str] | None = None) -> torch.dtype:
+    """The dtype of weights and activations. 'auto' follows vLLM's CPU backend: on a CPU with bf16
+    instructions a bfloat16 or float16 checkpoint runs in bfloat16 (oneDNN/AMX GEMMs several times
+    float32's), anything else in float32; quantized weights always take float32 activations. On
+    accelerators: the checkpoint's half dtype, else bfloat16. `flags`: the CPU's (tests pass their own)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if torch.device(device).type == "cpu":
-            return torch.float32
-        return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+        if torch.device(device).type != "cpu":
+            return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+        if quantization in (None, "none") and checkpoint_dtype in _HALF_CHECKPOINTS and cpu_has_bf16(flags):
+            return torch.bfloat16
+        return torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def warn_if_slow_bf16(dtype: torch.dtype, device: str | torch.device = "cpu",
+                      flags: frozenset[str] | None = None) -> bool:
+    """Log one line when bfloat16 runs on a CPU without bf16 instructions (it works, converting in software)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or cpu_has_bf16(flags):
+        return False
+    logger.warning("bfloat16 on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): it "
+                   "runs, but slower than float32 here; --dtype float32 (or auto) is faster on this machine")
+    return True
 
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
@@ -236,8 +263,9 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
 
     `model`: directory, .gguf, hub id, or None (embedded). weights=False: everything but the weights
     (`model` is None); parallel workers load their own shards. `quantization`: see `resolve_quantization`.
-    `cpu_linear="onednn"`: float32 linear layers on CPU run prepacked oneDNN weights (model/packed.py);
-    "auto" does so where torch has oneDNN (2x torch's GEMM per core here, docs/benchmarks.md).
+    `cpu_linear="onednn"`: float32 and bfloat16 linear layers on CPU run prepacked oneDNN weights
+    (model/packed.py); "auto" does so where torch has oneDNN (2x torch's float32 GEMM per core here,
+    docs/benchmarks.md); bfloat16 layers where oneDNN supports bf16 on this CPU either way.
     """
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
     source = gguf_file(model)
@@ -255,7 +283,9 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
     if quantization == "gguf":
         info.model = _build_gguf_quantized(source, spec, info.path, device)
     else:
-        info.model = build_model(spec, info.path, resolve_dtype(dtype, device, spec.torch_dtype), device)
+        resolved = resolve_dtype(dtype, device, spec.torch_dtype, quantization)
+        warn_if_slow_bf16(resolved, device)
+        info.model = build_model(spec, info.path, resolved, device)
         if quantization == "int8":
             quantize_linears_int8(info.model)
     from ecoserve.model.packed import onednn_available, pack_linears
@@ -263,7 +293,7 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
     if cpu_linear == "onednn" and not onednn_available():
         raise ValueError("--cpu-linear onednn: this torch build has no oneDNN (mkldnn) backend")
     if cpu_linear == "onednn" or (cpu_linear == "auto" and onednn_available()):
-        pack_linears(info.model)  # only float32 layers on CPU are packed
+        pack_linears(info.model)  # float32 layers on CPU, and bfloat16 ones where oneDNN has bf16
     logger.info("model weights: %.1f MiB in memory (%s)", weight_bytes(info.model) / 2**20,
                 describe_weights(info.model))
     return info

@@ -1,4 +1,5 @@
-"""--cpu-linear onednn / auto (the default): prepacked oneDNN linears against torch's F.linear, layer and whole model."""
+"""--cpu-linear onednn / auto (the default): prepacked oneDNN linears against torch's F.linear, layer and whole model,
+in float32 and (where oneDNN supports it) bfloat16."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ecoserve.model.loader import load_model
-from ecoserve.model.packed import PackedLinear, onednn_available
+from ecoserve.model import packed as packed_module
+from ecoserve.model.packed import PackedLinear, onednn_available, onednn_bf16_supported
 from tests.utils import DenseCausalAttention, dense_greedy, make_tiny_checkpoint, prompts
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -42,3 +44,43 @@ def test_auto_packs_a_whole_model_and_torch_keeps_f_linear(tmp_path):
     assert isinstance(load_model(ckpt).model.layers[0].self_attn.qkv_proj, PackedLinear)  # the default: auto
     assert not any(isinstance(m, PackedLinear) for m in load_model(ckpt, cpu_linear="torch").model.modules())
     assert load_model(ckpt, weights=False).model is None  # auto under TP/PP: the ranks keep F.linear, no error
+
+
+needs_bf16 = pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN has no bf16 support on this CPU")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_packed_bf16_linear_matches_f_linear(rows):
+    """Both accumulate in float32 and round the output once: equal within one bf16 rounding of the output."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 256, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 256, generator=g).bfloat16()
+    out = PackedLinear(w, b)(x)
+    ref = F.linear(x.float(), w.float(), b.float())  # the exact products, summed in float32
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    assert torch.allclose(out.float(), ref, atol=1e-2, rtol=2 ** -7)  # bf16: 8 mantissa bits
+    assert torch.allclose(out.float(), F.linear(x, w, b).float(), atol=1e-2, rtol=2 ** -7)
+
+
+@needs_bf16
+def test_bf16_model_packs_every_linear_and_the_tied_head(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
+    packed = load_model(str(ckpt), dtype="bfloat16").model  # auto
+    plain = load_model(str(ckpt), dtype="bfloat16", cpu_linear="torch").model
+    layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert len(layers) == 2 * 4 + 1 and all(m.packed.dtype == torch.bfloat16 for m in layers)  # qkv, o, gate_up, down
+    assert isinstance(packed.lm_head, PackedLinear) and packed.embed_tokens.weight.dtype == torch.bfloat16
+    ids = prompts(1, seed=4)[0]
+    with torch.no_grad():
+        a = packed.compute_logits(packed(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention()))
+        b = plain.compute_logits(plain(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention()))
+    assert a.dtype == b.dtype == torch.float32
+    assert (a - b).abs().max().item() < 0.25  # bf16 rounding of the logits (|logit| < 16: ulp 0.0625)
+
+
+def test_bf16_layers_stay_plain_where_onednn_has_no_bf16(tmp_path, monkeypatch):
+    monkeypatch.setattr(packed_module, "onednn_bf16_supported", lambda: False)
+    ckpt = str(make_tiny_checkpoint(tmp_path / "ckpt", "llama"))
+    assert not any(isinstance(m, PackedLinear) for m in load_model(ckpt, dtype="bfloat16").model.modules())
+    assert isinstance(load_model(ckpt).model.lm_head, PackedLinear)  # float32 layers are packed all the same
