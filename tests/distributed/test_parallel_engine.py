@@ -125,3 +125,18 @@ def test_tdpipe_on_pp2_equals_single_engine(llama):
     finally:
         llm.llm_engine.shutdown()
     assert_same([o.outputs[0] for o in outs], reference)
+
+
+def test_pp2_bf16_model_with_float32_cache_equals_single_engine(llama):
+    """A bfloat16 pipeline (no all-reduce: the same bf16 ops as one process) with a float32 cache gives the single
+    bfloat16 engine's tokens, and sizes its block pool with float32 K/V."""
+    path, _ = llama
+    bf16 = dict(dtype="bfloat16", kv_cache_dtype="float32", cpu_linear="torch")  # the ranks run F.linear
+    reference, _ = run(path, **bf16)
+    got, _ = run(path, pipeline_parallel_size=2, max_concurrent_batches=1, **bf16)
+    assert_same(got, reference)
+    engine = LLM(str(path), pipeline_parallel_size=2, num_gpu_blocks=40, max_model_len=320, **bf16).llm_engine
+    try:
+        assert engine.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4  # 2 of 4 layers, K and V, 2 heads x 16, float32
+    finally:
+        engine.shutdown()
