@@ -215,7 +215,7 @@ def _profile(llm, run, wl: Workload, figures: Figures, config: dict | None, voca
     return breakdown
 
 
-def run_hf(model: str, wl: Workload, args: argparse.Namespace, dtype: str = "float32") -> Figures:
+def run_hf(model: str, wl: Workload, args: argparse.Namespace, dtype: str) -> Figures:
     """transformers' batched generate: length-sorted batches, left padding, greedy, no EOS stop."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -243,7 +243,7 @@ def run_hf(model: str, wl: Workload, args: argparse.Namespace, dtype: str = "flo
     return figures
 
 
-def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str = "float32") -> Figures:
+def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str) -> Figures:
     """vLLM's CPU build on the same requests, scheduler limits and dtype (a GGUF model: its cached HF conversion)."""
     from ecoserve.bench import peers
     from ecoserve.model.loader import resolve_model_path
@@ -355,7 +355,8 @@ def main(args: argparse.Namespace) -> int:
     dtypes = args.dtypes or [args.dtype]
     model = args.model or str(make_random_llama(random_llama_dir(checkpoint_dtype(dtypes)), checkpoint_dtype(dtypes)))
     config = _model_config(model)
-    vocab = config["vocab_size"] if config else 32000
+    # the workload's ids come from a directory's vocabulary; a GGUF or hub model keeps the historical 32000
+    vocab = config["vocab_size"] if config and Path(model).is_dir() else 32000
     wl = make_workload(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range), vocab, args.seed)
     setups = [EngineSetup.parse(c) for c in args.configs] if args.configs else [None]
     results = compare_runs(model, wl, args, [(s, d) for d in dtypes for s in setups], config)
