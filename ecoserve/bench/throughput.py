@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ecoserve.bench.profile import Breakdown
 from ecoserve.bench.roofline import Work, attention_flops_per_token, linear_flops_per_token
-from ecoserve.config import EngineArgs
+from ecoserve.config import DTYPES, EngineArgs
 
 # A random Llama of about 125M parameters, the benchmark's reference model on CPU.
 LLAMA_125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -319,7 +319,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(--repeat rounds, interleaved): tpN, ppN, tN threads per rank, @policy; e.g. "
                         "tp1 tp2 pp2 pp2@tdpipe")
     p.add_argument("--dtypes", nargs="+", default=None, metavar="DTYPE",
-                   choices=["auto", "float32", "bfloat16", "float16"],
+                   choices=DTYPES,
                    help="run ours (each --configs setup) and the --compare peer at each of these dtypes on the same "
                         "requests, instead of --dtype; e.g. bfloat16 float32: ratios per dtype, and the first "
                         "against the others")
