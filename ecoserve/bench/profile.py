@@ -45,13 +45,15 @@ _GEMM_NAMESPACES = ("mkldnn::_linear", "onednn::qlinear", "mkldnn::_mkl_linear")
 # the native kernels' pybind entry points (ecoserve/kernels), as cProfile names them
 _NATIVE = {"paged_decode": ATTENTION, "paged_prefill": ATTENTION, "rms_norm": ELEMENTWISE, "rotary_": ELEMENTWISE,
            "silu_and_mul": ELEMENTWISE, "quant_linear": GEMM, "dequantize": GEMM}
-_BUILTIN = re.compile(r"built-in method (?:\w+\.)*(\w+)")
+_BUILTIN = re.compile(r"built-in method ((?:\w+\.)*)(\w+)")
 
 
 def op_category(op: str) -> str:
     """The category of a torch.profiler op name; ops of no category (views, allocation) count as the rest."""
     if op.startswith(_GEMM_NAMESPACES):
         return GEMM
+    if op.startswith("ecoserve::"):  # a native kernel registered as a dispatcher op
+        return _NATIVE.get(op.removeprefix("ecoserve::"), REST)
     return next((c for c, names in _OPS.items() if op in names), REST)
 
 
@@ -143,8 +145,9 @@ def python_pass(run: Callable[[], object], limit: int = 15) -> tuple[dict[str, f
     native = dict.fromkeys(CATEGORIES, 0.0)
     for (_, _, name), (_, _, own_s, _, _) in stats.stats.items():
         m = _BUILTIN.search(name)
-        if m and m.group(1) in _NATIVE:
-            native[_NATIVE[m.group(1)]] += own_s
+        # a pybind entry point; torch.ops calls are dispatcher ops that torch.profiler has counted already
+        if m and m.group(2) in _NATIVE and not m.group(1).startswith("torch."):
+            native[_NATIVE[m.group(2)]] += own_s
     out = io.StringIO()
     stats.stream = out
     stats.sort_stats("tottime").print_stats(limit)

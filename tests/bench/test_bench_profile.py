@@ -23,7 +23,8 @@ CONFIG = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key
     ("mkldnn::_linear_pointwise", GEMM), ("onednn::qlinear_pointwise", GEMM), ("aten::addmm", GEMM),
     ("aten::index_copy_", ATTENTION), ("aten::_scaled_dot_product_flash_attention_for_cpu", ATTENTION),
     ("aten::silu", ELEMENTWISE), ("aten::copy_", ELEMENTWISE), ("aten::argmax", SAMPLING),
-    ("aten::empty", REST), ("aten::as_strided", REST),
+    ("aten::empty", REST), ("aten::as_strided", REST), ("ecoserve::paged_decode", ATTENTION),
+    ("ecoserve::rms_norm", ELEMENTWISE), ("ecoserve::something_new", REST),
 ])
 def test_op_categories(op, category):
     assert op_category(op) == category
