@@ -378,12 +378,13 @@ def main(args: argparse.Namespace) -> int:
     for c in ceilings.values():
         print(f"{c.dtype} at {c.num_threads} thread(s): packed-GEMM peak {c.gemm_peak_gflops:.1f} GFLOP/s "
               f"({'x'.join(map(str, roofline.PEAK_SHAPE))}), copy bandwidth {c.memory_gbps:.1f} GB/s")
-    print(f"{'system':<24}{'dtype':<10}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'GFLOP/s':>10}"
-          f"{'% peak':>8}")
+    width = max(24, *(len(r.system) + 2 for r in results))
+    print(f"{'system':<{width}}{'dtype':<10}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}"
+          f"{'GFLOP/s':>10}{'% peak':>8}")
     for r in results:
         gf = r.achieved_gflops or 0.0
         peak = ceilings[r.dtype, r.num_threads].gemm_peak_gflops
-        print(f"{r.system:<24}{r.dtype:<10}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
+        print(f"{r.system:<{width}}{r.dtype:<10}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
     for r in results:
         if r.cpu_s is not None:

