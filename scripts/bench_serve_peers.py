@@ -5,10 +5,12 @@
 
 Every server gets the same cores (`--server-cores`, default core 0: one engine thread) and every
 client the others (default core 1), the same model directory (default: the embedded SmolLM2's HF
-conversion), the same scheduler limits, and the same requests (random dataset, fixed seed, EOS
-ignored). Systems: `ecoserve` (engine thread inside the API server process), `ecoserve-core` (the
-engine in its own process, a one-instance live cluster: `--strategy vllm --num-instances 1`) and
-`vllm` (its API server and engine core processes). Prints one table and writes `serve_peers.json`.
+conversion), the same dtype (`--dtype`, given to every server: `--dtype bfloat16` runs ours against
+`vllm serve --dtype bfloat16`), the same scheduler limits, and the same requests (random dataset,
+fixed seed, EOS ignored). Systems: `ecoserve` (engine thread inside the API server process),
+`ecoserve-core` (the engine in its own process, a one-instance live cluster: `--strategy vllm
+--num-instances 1`) and `vllm` (its API server and engine core processes). Prints one table and
+writes `serve_peers.json`.
 """
 from __future__ import annotations
 
@@ -65,12 +67,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def server_command(system: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
-    limits = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs)]
+    limits = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
+              "--dtype", args.dtype]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if system == "vllm":
         vllm = str(Path(args.peer_python).with_name("vllm"))
         env.update(VLLM_CPU_OMP_THREADS_BIND=args.server_cores.split(",")[0], VLLM_CPU_KVCACHE_SPACE="4")
-        return [vllm, "serve", args.model_dir, "--dtype", "float32", "--served-model-name", NAME, "--port", str(port),
+        return [vllm, "serve", args.model_dir, "--served-model-name", NAME, "--port", str(port),
                 "--enforce-eager", *limits], env
     ecoserve = [sys.executable, "-m", "ecoserve", "serve", "--model", args.model_dir, "--served-model-name", NAME,
                 "--port", str(port), "--num-threads", "1", *limits]
@@ -93,7 +96,7 @@ def client_command(client: str, args: argparse.Namespace, port: int, result_dir:
     return [sys.executable, "-m", "ecoserve", "bench", "serve", *common]
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peer-python", required=True, help="the interpreter of vLLM's own virtual environment")
     p.add_argument("--model-dir", default=None, help="HF model directory (default: the embedded SmolLM2)")
@@ -108,14 +111,21 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=None,
                    help="sent by both clients (default: each client's own: ours 0, vLLM's none, so the servers "
                         "apply the model's generation config)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the precision of every server (vLLM's flag, passed to each)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--port", type=int, default=18700)
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--client-timeout", type=float, default=1800, help="seconds one client run may take")
     p.add_argument("--out", default="results/serve_peers")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.model_dir = args.model_dir or str(default_model_dir())
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     taskset = shutil.which("taskset")
@@ -139,7 +149,7 @@ def main() -> int:
                                stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"),
                                timeout=args.client_timeout)
                 r = json.loads((out / name).read_text())
-                rows.append({"system": system, "client": client, "startup_s": startup,
+                rows.append({"system": system, "client": client, "dtype": args.dtype, "startup_s": startup,
                              "completed": r["completed"], "output_throughput": r["output_throughput"],
                              "mean_ttft_ms": r["mean_ttft_ms"], "mean_tpot_ms": r["mean_tpot_ms"],
                              "p99_tpot_ms": r.get("p99_tpot_ms"), "duration_s": r["duration"]})
@@ -148,7 +158,7 @@ def main() -> int:
             stop(proc)
             log.close()
     print(f"\n{args.num_prompts} requests of {args.input_len} in / {args.output_len} out at {args.request_rate} req/s, "
-          f"temperature {args.temperature if args.temperature is not None else 'per client'}; "
+          f"{args.dtype}, temperature {args.temperature if args.temperature is not None else 'per client'}; "
           f"servers on cores {args.server_cores}, clients on {args.client_cores}")
     print(f"{'system':<15}{'client':<16}{'done':>5}{'out tok/s':>11}{'TTFT ms':>10}{'TPOT ms':>10}{'P99 TPOT':>10}")
     for r in rows:

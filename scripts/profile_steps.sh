@@ -6,7 +6,10 @@
 #   GPU:  scripts/profile_steps.sh /models/llama-2-13b cuda bfloat16
 #   CPU:  scripts/profile_steps.sh default cpu float32   (the embedded SmolLM2, one torch thread, the grid
 #         of the live CPU cluster's workload: short prompts, decodes of up to 16 sequences; 3 interleaved passes against CPU noise)
+#   CPU bfloat16: scripts/profile_steps.sh default cpu bfloat16   (the same grid in the other precision)
 # Then: ClusterSpec(profile="OUT/steps.csv"), or perf_knobs={"step_costs": {...}} from step_costs.json.
+# Where the time of a run goes inside its steps (GEMM, attention, elementwise, sampling, Python), per
+# precision and against the GEMM peak and memory bandwidth: ecoserve bench throughput --profile --dtypes bfloat16 float32
 set -euo pipefail
 MODEL="${1:?usage: scripts/profile_steps.sh MODEL_DIR|default [device] [dtype] [args...]}"
 DEVICE="${2:-cuda}"

@@ -5,7 +5,8 @@ llama.cpp (`ecoserve bench latency --compare llama-cpp`): the same GGUF file, pr
 greedy decode and thread count, through llama-cpp-python.
 
 vLLM's CPU build (`ecoserve bench throughput --compare vllm`): the same requests (token ids,
-output lengths, greedy, ignore_eos) and scheduler limits through its offline `LLM.generate`, with
+output lengths, greedy, ignore_eos), scheduler limits and dtype (the one our run resolved, passed
+explicitly so `auto` cannot resolve differently) through its offline `LLM.generate`, with
 its engine core in the calling process (so its process CPU time is counted) and its OpenMP threads
 bound to the first `num_threads` cores.
 """
@@ -42,7 +43,7 @@ import json, sys, time
 from vllm import LLM, SamplingParams
 work = json.load(open(sys.argv[2]))
 t0 = time.perf_counter()
-llm = LLM(model=sys.argv[1], dtype="float32", seed=0, max_num_batched_tokens=work["max_num_batched_tokens"],
+llm = LLM(model=sys.argv[1], dtype=work["dtype"], seed=0, max_num_batched_tokens=work["max_num_batched_tokens"],
           max_num_seqs=work["max_num_seqs"], max_model_len=work["max_model_len"])
 startup = time.perf_counter() - t0
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work["output_lens"]]
@@ -78,10 +79,12 @@ def llama_cpp_decode(python: str, gguf_path: Path, prompt_ids: list[int], output
 
 
 def vllm_generate(python: str, model_dir: Path, prompts: list[list[int]], output_lens: list[int], num_threads: int,
-                  max_num_batched_tokens: int, max_num_seqs: int, timeout_s: float = 1800) -> dict:
-    """vLLM's offline run of the requests: elapsed_s, cpu_s, startup_s and output_tokens."""
+                  max_num_batched_tokens: int, max_num_seqs: int, dtype: str, timeout_s: float = 1800) -> dict:
+    """vLLM's offline run of the requests in `dtype` (float32, bfloat16): elapsed_s, cpu_s, startup_s and
+    output_tokens."""
     work = {"prompts": prompts, "output_lens": output_lens, "max_num_batched_tokens": max_num_batched_tokens,
-            "max_num_seqs": max_num_seqs, "max_model_len": max(len(p) + n for p, n in zip(prompts, output_lens)) + 16}
+            "max_num_seqs": max_num_seqs, "dtype": dtype,
+            "max_model_len": max(len(p) + n for p, n in zip(prompts, output_lens)) + 16}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(num_threads, 1) - 1}",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:

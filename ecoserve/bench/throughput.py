@@ -1,11 +1,13 @@
 """`ecoserve bench throughput`: offline throughput on a fixed random workload, optionally beside HF.
 
-The default workload follows the issue: 64 requests, prompt lengths uniform in [32, 512], output
-lengths uniform in [32, 256], random token ids, greedy, ignore_eos, seed 0.
+The default workload: 64 requests, prompt lengths uniform in [32, 512], output lengths uniform in
+[32, 256], random token ids, greedy, ignore_eos, seed 0. `--dtypes` runs ours (and the peer) at several
+precisions on the same requests, so one table holds e.g. ours bfloat16, ours float32 and vLLM at each.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -13,10 +15,12 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ecoserve.config import EngineArgs
+from ecoserve.bench.profile import Breakdown
+from ecoserve.bench.roofline import Work, attention_flops_per_token, linear_flops_per_token
+from ecoserve.config import DTYPES, EngineArgs
 
 # A random Llama of about 125M parameters, the benchmark's reference model on CPU.
 LLAMA_125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -36,6 +40,11 @@ class Workload:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    def shifted(self, k: int, vocab: int) -> "Workload":
+        """The same lengths with other token ids: the same work again, with no prefix-cache hits on this one."""
+        span = vocab - 100
+        return Workload([[100 + (t - 100 + 7919 * k) % span for t in p] for p in self.prompts], self.output_lens)
+
 
 def make_workload(num_requests: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
                   seed: int = 0) -> Workload:
@@ -54,10 +63,37 @@ class Figures:
     startup_s: float | None = None
     achieved_gflops: float | None = None
     cpu_s: float | None = None  # process CPU time of the run (robust to a shared machine)
+    dtype: str | None = None  # the precision the system ran in (ours resolved from --dtype)
+    num_threads: int | None = None
+    profile: Breakdown | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.system} {self.dtype}" if self.dtype else self.system
+
+    def to_dict(self) -> dict:
+        out = asdict(replace(self, profile=None))
+        out["profile"] = self.profile.to_dict() if self.profile else None
+        return out
 
 
-def make_random_llama(path: Path) -> Path:
-    """Write the 125M random Llama checkpoint (float32), reusing one already there."""
+def checkpoint_dtype(dtypes: list[str]) -> str:
+    """The dtype the random checkpoint is stored in: the first 16-bit one the runs ask for, else float32.
+
+    As with real checkpoints, a bfloat16 run then reads bfloat16 weights, with no conversion at load
+    in either engine, and `auto` resolves alike in both (each takes the checkpoint's dtype where it
+    runs it); float32 runs of the same command read the same values widened."""
+    return next((d for d in dtypes if d in ("bfloat16", "float16")), "float32")
+
+
+def random_llama_dir(dtype: str) -> Path:
+    name = "ecoserve-llama-125m-random" + ("" if dtype == "float32" else f"-{dtype}")
+    return Path(os.environ.get("ECOSERVE_BENCH_DIR", tempfile.gettempdir())) / name
+
+
+def make_random_llama(path: Path, dtype: str = "float32") -> Path:
+    """Write the 125M random Llama checkpoint in `dtype` (the same seed: the bfloat16 weights are the
+    float32 ones rounded), reusing one already there."""
     if (path / "config.json").exists():
         return path
     import torch
@@ -65,7 +101,7 @@ def make_random_llama(path: Path) -> Path:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_125M), dtype=torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
     _word_tokenizer(LLAMA_125M["vocab_size"]).save_pretrained(path)
     return path
 
@@ -84,22 +120,7 @@ def _word_tokenizer(vocab_size: int):
 
 def flops_per_token(config: dict, context: float) -> float:
     """Matmul FLOPs per computed token, excluding the LM head (counted per sampled token)."""
-    h, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
-    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    d = config.get("head_dim") or h // heads
-    proj = h * (heads * d + 2 * kv * d) + heads * d * h + 3 * h * inter
-    return layers * (2 * proj + 4 * heads * d * context)
-
-
-def measure_matmul_peak(n: int = 1024, repeat: int = 10) -> float:
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    t = time.perf_counter()
-    for _ in range(repeat):
-        a @ b
-    return 2 * n ** 3 * repeat / (time.perf_counter() - t) / 1e9
+    return linear_flops_per_token(config) + attention_flops_per_token(config, context)
 
 
 @dataclass(frozen=True)
@@ -125,49 +146,83 @@ class EngineSetup:
         return parts + (f"t{self.threads}" if self.threads else "") + (f"@{self.policy}" if self.policy else "")
 
 
-def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace, setup: EngineSetup | None = None) -> Figures:
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace, setup: EngineSetup | None = None,
+                 dtype: str | None = None, config: dict | None = None) -> Figures:
+    """One timed `LLM.generate` of the workload; with --profile, two profiled passes of the same work after it."""
+    import torch
+
     from ecoserve.engine.llm import LLM
+    from ecoserve.model.loader import resolve_dtype
     from ecoserve.sampling import SamplingParams
 
     engine = EngineArgs.from_cli_args(args)
     setup = setup or EngineSetup(engine.tensor_parallel_size, engine.pipeline_parallel_size)
     engine = replace(engine, model=model, scheduling_policy=setup.policy or engine.scheduling_policy,
                      num_threads=setup.threads or engine.num_threads, tensor_parallel_size=setup.tp,
-                     pipeline_parallel_size=setup.pp)
+                     pipeline_parallel_size=setup.pp, dtype=dtype or engine.dtype)
+    if args.profile and setup.tp * setup.pp > 1:
+        raise SystemExit("--profile profiles a single-process engine; its ranks run in other processes under TP/PP")
     t0 = time.perf_counter()
     llm = LLM(**asdict(engine))
     try:
         startup = time.perf_counter() - t0
+        core = llm.llm_engine
+        spec = core.loaded.spec
+        # a TP/PP engine's weights live in its ranks: resolve the dtype as they did
+        resolved = _dtype_name(core.loaded.model.dtype if core.loaded.model is not None else
+                               resolve_dtype(engine.dtype, engine.device, spec.torch_dtype))
+        threads = engine.num_threads or torch.get_num_threads()
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
 
-        def run():
-            return llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=not args.no_tqdm)
+        def run(work: Workload):
+            return llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=not args.no_tqdm)
 
         t0, cpu0 = time.perf_counter(), time.process_time()
-        outs = run()
+        outs = run(wl)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
+        name = "ecoserve" if not args.configs else f"ecoserve {setup.name}"
+        figures = _figures(name, wl, elapsed, startup)
+        figures.dtype, figures.num_threads = resolved, threads
         if args.profile:
-            from ecoserve.bench.profile import report
-
-            print(report(run, wl.num_output_tokens, "output token"))
+            figures.profile = _profile(llm, run, wl, figures, config, spec.vocab_size)
     finally:
         llm.llm_engine.shutdown()
-    figures = _figures("ecoserve" if setup == EngineSetup() and not args.configs else f"ecoserve {setup.name}", wl,
-                       elapsed, startup)
     figures.cpu_s = cpu if setup.tp * setup.pp == 1 else None  # the ranks' CPU is in other processes
     return figures
 
 
-def run_hf(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
+def _profile(llm, run, wl: Workload, figures: Figures, config: dict | None, vocab: int) -> Breakdown:
+    """Profile the run's work again (other token ids: no prefix-cache hits), against the roofline."""
+    from ecoserve.bench import roofline
+    from ecoserve.bench.profile import profile_run
+
+    if config is None:
+        raise SystemExit("--profile needs the model's config.json (a model directory, or a GGUF's conversion)")
+    core = llm.llm_engine
+    passes = itertools.count(1)
+    work = Work.of(config, [len(p) for p in wl.prompts], wl.output_lens, core.kv_bytes_per_token())
+    breakdown, top = profile_run(lambda: run(wl.shifted(next(passes), vocab)), label=figures.label,
+                                 elapsed_s=figures.elapsed_s, model=core.loaded.model, work=work,
+                                 weight_bytes_per_step=roofline.weight_bytes_per_step(core.loaded.model),
+                                 roofline=roofline.measure(figures.dtype, figures.num_threads))
+    print(top)
+    return breakdown
+
+
+def run_hf(model: str, wl: Workload, args: argparse.Namespace, dtype: str) -> Figures:
     """transformers' batched generate: length-sorted batches, left padding, greedy, no EOS stop."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i]))
     t0 = time.perf_counter()
     for start in range(0, len(order), args.hf_batch_size):
@@ -183,24 +238,26 @@ def run_hf(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
         with torch.inference_mode():
             hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(wl.output_lens[i] for i in idx),
                         min_new_tokens=max(wl.output_lens[i] for i in idx), eos_token_id=None, pad_token_id=0)
-    return _figures("hf-transformers", wl, time.perf_counter() - t0)
+    figures = _figures("hf-transformers", wl, time.perf_counter() - t0)
+    figures.dtype, figures.num_threads = dtype, torch.get_num_threads()
+    return figures
 
 
-def run_vllm(model: str, wl: Workload, args: argparse.Namespace) -> Figures:
-    """vLLM's CPU build on the same requests and scheduler limits (a GGUF model: its cached HF conversion)."""
+def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str) -> Figures:
+    """vLLM's CPU build on the same requests, scheduler limits and dtype (a GGUF model: its cached HF conversion)."""
     from ecoserve.bench import peers
     from ecoserve.model.loader import resolve_model_path
 
+    threads = args.num_threads or os.cpu_count() or 1
     try:
-        out = peers.vllm_generate(args.peer_python, resolve_model_path(model), wl.prompts, wl.output_lens,
-                                  args.num_threads or os.cpu_count() or 1, args.max_num_batched_tokens,
-                                  args.max_num_seqs)
+        out = peers.vllm_generate(args.peer_python, resolve_model_path(model), wl.prompts, wl.output_lens, threads,
+                                  args.max_num_batched_tokens, args.max_num_seqs, dtype)
     except peers.PeerUnavailable as e:
         raise SystemExit(f"--compare vllm: {e}") from None
     if out["output_tokens"] != wl.num_output_tokens:
         raise SystemExit(f"--compare vllm: vLLM produced {out['output_tokens']} tokens, not {wl.num_output_tokens}")
     figures = _figures("vllm-cpu", wl, out["elapsed_s"], out["startup_s"])
-    figures.cpu_s = out["cpu_s"]
+    figures.cpu_s, figures.dtype, figures.num_threads = out["cpu_s"], dtype, threads
     return figures
 
 
@@ -210,14 +267,42 @@ def _figures(system: str, wl: Workload, elapsed: float, startup: float | None = 
                    (wl.num_output_tokens + wl.num_prompt_tokens) / elapsed, startup)
 
 
-def compare_setups(model: str, wl: Workload, args: argparse.Namespace, setups: list[EngineSetup]) -> list[Figures]:
-    """Each setup `args.repeat` times, interleaved (a shared machine's load hits all alike); medians of time."""
-    runs: dict[EngineSetup, list[Figures]] = {s: [] for s in setups}
+Run = tuple[EngineSetup | None, str | None]  # a setup of --configs (None: the flags') and a dtype (None: --dtype)
+
+
+def compare_runs(model: str, wl: Workload, args: argparse.Namespace, runs: list[Run],
+                 config: dict | None = None) -> list[Figures]:
+    """Each run `args.repeat` times, interleaved (a shared machine's load hits all alike); medians of time."""
+    done: dict[Run, list[Figures]] = {r: [] for r in runs}
     for k in range(args.repeat):
-        for s in setups:
-            runs[s].append(run_ecoserve(model, wl, args, s))
-            print(f"round {k + 1}: {s.name} {runs[s][-1].elapsed_s:.1f} s", flush=True)
-    return [sorted(rs, key=lambda r: r.elapsed_s)[len(rs) // 2] for rs in runs.values()]
+        for r in runs:
+            done[r].append(run_ecoserve(model, wl, args, *r, config=config))
+            if len(runs) > 1 or args.repeat > 1:
+                print(f"round {k + 1}: {done[r][-1].label} {done[r][-1].elapsed_s:.1f} s", flush=True)
+    return [sorted(fs, key=lambda f: f.elapsed_s)[len(fs) // 2] for fs in done.values()]
+
+
+def ratios(results: list[Figures]) -> dict[str, float]:
+    """Output throughput ratios: ours against each peer at the same dtype (also per CPU second), ours at
+    the first dtype against ours at each other (bfloat16 / float32 for `--dtypes bfloat16 float32`), and
+    each --configs setup against the first at its dtype."""
+    ours = [r for r in results if r.system.startswith("ecoserve")]
+    peers = [r for r in results if not r.system.startswith("ecoserve")]
+    out: dict[str, float] = {}
+    for r in ours:
+        for p in (p for p in peers if p.dtype == r.dtype):
+            out[f"{r.label} / {p.label} output throughput"] = r.output_tokens_per_s / p.output_tokens_per_s
+            if r.cpu_s and p.cpu_s:
+                out[f"{r.label} / {p.label} output tokens per CPU second"] = p.cpu_s / r.cpu_s
+    first_dtype = ours[0].dtype
+    for r in ours:
+        first = next(b for b in ours if b.system == r.system and b.dtype == first_dtype)
+        if r.dtype != first_dtype:
+            out[f"{first.label} / {r.label} output throughput"] = first.output_tokens_per_s / r.output_tokens_per_s
+        base = next(b for b in ours if b.dtype == r.dtype)
+        if r.system != base.system:
+            out[f"{r.label} / {base.label} output throughput"] = r.output_tokens_per_s / base.output_tokens_per_s
+    return out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -233,10 +318,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="compare these engine setups on the same requests, run one after another in this command "
                         "(--repeat rounds, interleaved): tpN, ppN, tN threads per rank, @policy; e.g. "
                         "tp1 tp2 pp2 pp2@tdpipe")
-    p.add_argument("--repeat", type=int, default=1, help="rounds of --configs; the median time of each is reported")
-    p.add_argument("--profile", action="store_true", help="print where the CPU time of the run goes")
+    p.add_argument("--dtypes", nargs="+", default=None, metavar="DTYPE",
+                   choices=DTYPES,
+                   help="run ours (each --configs setup) and the --compare peer at each of these dtypes on the same "
+                        "requests, instead of --dtype; e.g. bfloat16 float32: ratios per dtype, and the first "
+                        "against the others")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of our runs; the median time of each is reported")
+    p.add_argument("--profile", action="store_true",
+                   help="after each of our runs, profile the same work again: where the time goes (GEMM, attention, "
+                        "elementwise, sampling, Python) and the GEMM FLOP/s and streamed bytes against a GEMM peak "
+                        "and a copy bandwidth measured in the same process, dtype and threads")
     p.add_argument("--compare", choices=["hf", "vllm"], default=None,
-                   help="also run HF transformers, or vLLM's CPU build (in --peer-python), on the same requests")
+                   help="also run HF transformers, or vLLM's CPU build (in --peer-python), on the same requests at "
+                        "the dtype each of our runs resolved")
     p.add_argument("--peer-python", default=sys.executable, help="the interpreter that has vLLM (its own venv)")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--json", default=None, help="write the figures to this path")
@@ -244,52 +338,71 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def _model_config(model: str) -> dict | None:
+    """The HF config of `model` (a GGUF: its cached conversion's), or None when there is none to read."""
+    from ecoserve.model.loader import resolve_model_path
+
+    path = resolve_model_path(model) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def main(args: argparse.Namespace) -> int:
-    model = args.model or str(make_random_llama(Path(os.environ.get("ECOSERVE_BENCH_DIR", tempfile.gettempdir()))
-                                                / "ecoserve-llama-125m-random"))
-    config = json.loads((Path(model) / "config.json").read_text()) if Path(model).is_dir() else None
-    vocab = config["vocab_size"] if config else 32000
+    import torch
+
+    from ecoserve.bench import roofline
+    from ecoserve.bench.profile import side_by_side
+
+    dtypes = args.dtypes or [args.dtype]
+    model = args.model or str(make_random_llama(random_llama_dir(checkpoint_dtype(dtypes)), checkpoint_dtype(dtypes)))
+    config = _model_config(model)
+    # the workload's ids come from a directory's vocabulary; a GGUF or hub model keeps the historical 32000
+    vocab = config["vocab_size"] if config and Path(model).is_dir() else 32000
     wl = make_workload(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range), vocab, args.seed)
-    if args.configs:
-        results = compare_setups(model, wl, args, [EngineSetup.parse(c) for c in args.configs])
-    else:
-        results = [run_ecoserve(model, wl, args)]
-    if args.compare == "hf":
-        results.append(run_hf(model, wl, args))
-    elif args.compare == "vllm":
-        results.append(run_vllm(model, wl, args))
-    peak = measure_matmul_peak()
+    setups = [EngineSetup.parse(c) for c in args.configs] if args.configs else [None]
+    results = compare_runs(model, wl, args, [(s, d) for d in dtypes for s in setups], config)
+    for dtype in dict.fromkeys(r.dtype for r in results):  # each resolved dtype once, in order
+        if args.compare == "hf":
+            results.append(run_hf(model, wl, args, dtype))
+        elif args.compare == "vllm":
+            results.append(run_vllm(model, wl, args, dtype))
+    ceilings = {(r.dtype, r.num_threads): roofline.measure(r.dtype, r.num_threads or torch.get_num_threads())
+                for r in results}
     if config:
         mean_ctx = sum(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens)) / len(wl.prompts)
         total = (wl.num_prompt_tokens + wl.num_output_tokens) * flops_per_token(config, mean_ctx / 2) \
             + wl.num_output_tokens * 2 * config["hidden_size"] * config["vocab_size"]
         for r in results:
             r.achieved_gflops = total / r.elapsed_s / 1e9
-    print(f"\nworkload: {len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output tokens;"
-          f" matmul peak {peak:.1f} GFLOP/s")
-    print(f"{'system':<24}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'GFLOP/s':>10}{'% peak':>8}")
+    print(f"\nworkload: {len(wl.prompts)} requests, {wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output "
+          "tokens")
+    for c in ceilings.values():
+        print(f"{c.dtype} at {c.num_threads} thread(s): packed-GEMM peak {c.gemm_peak_gflops:.1f} GFLOP/s "
+              f"({'x'.join(map(str, roofline.PEAK_SHAPE))}), copy bandwidth {c.memory_gbps:.1f} GB/s")
+    width = max(24, *(len(r.system) + 2 for r in results))
+    print(f"{'system':<{width}}{'dtype':<10}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}"
+          f"{'GFLOP/s':>10}{'% peak':>8}")
     for r in results:
         gf = r.achieved_gflops or 0.0
-        print(f"{r.system:<24}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
+        peak = ceilings[r.dtype, r.num_threads].gemm_peak_gflops
+        print(f"{r.system:<{width}}{r.dtype:<10}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
     for r in results:
         if r.cpu_s is not None:
-            print(f"{r.system} process CPU: {r.cpu_s:.1f} s ({wl.num_output_tokens / r.cpu_s:.1f} output tokens per "
+            print(f"{r.label} process CPU: {r.cpu_s:.1f} s ({wl.num_output_tokens / r.cpu_s:.1f} output tokens per "
                   f"CPU second)")
-    if args.configs:
-        base = results[0]
-        for r in results[1:len(args.configs)]:
-            print(f"{r.system} / {base.system} output throughput: "
-                  f"{r.output_tokens_per_s / base.output_tokens_per_s:.2f}x")
-    elif len(results) == 2:
-        ours, peer = results
-        print(f"ecoserve / {peer.system} output throughput: {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x")
-        if ours.cpu_s and peer.cpu_s:
-            print(f"ecoserve / {peer.system} output tokens per CPU second: {peer.cpu_s / ours.cpu_s:.2f}x")
+    found = ratios(results)
+    for key, value in found.items():
+        print(f"{key}: {value:.2f}x")
     if results[0].startup_s is not None:
         print(f"ecoserve engine start-up (load + KV allocation): {results[0].startup_s:.2f} s")
+    profiles = [r.profile for r in results if r.profile is not None]
+    if profiles:
+        print("\n" + side_by_side(profiles))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"model": model, "matmul_peak_gflops": peak,
-                                               "results": [asdict(r) for r in results]}, indent=2))
+        Path(args.json).write_text(json.dumps({
+            "model": model, "workload": {"requests": len(wl.prompts), "prompt_tokens": wl.num_prompt_tokens,
+                                         "output_tokens": wl.num_output_tokens},
+            "roofline": [asdict(c) for c in ceilings.values()], "results": [r.to_dict() for r in results],
+            "ratios": found}, indent=2))
     return 0

