@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "bf16.h"
 #include "simd.h"
@@ -35,14 +36,43 @@ inline float silu(float g) {
 template <typename T>
 inline float round_to(float x) { return to_float(from_float<T>(x)); }
 
+// The loops over c10::BFloat16 elements do not vectorize on their own: bf16 rows take explicit vector
+// loops (the same operations in the same order per element), float32 rows the compiler's.
+template <typename T>
+constexpr bool explicit_simd() {
+#ifdef ECOSERVE_SIMD
+  return std::is_same_v<T, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 inline void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   float ss = 0.f;
+  int64_t i = 0;
+#ifdef ECOSERVE_SIMD
+  if constexpr (explicit_simd<T>()) {
+    vec acc = vset1(0.f);
+    for (; i + W <= n; i += W) {
+      const vec xi = vload(x + i);
+      acc = vadd(acc, vmul(xi, xi));
+    }
+    ss = vsum(acc);
+  }
+#endif
 #pragma omp simd reduction(+:ss)
-  for (int64_t i = 0; i < n; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  for (int64_t j = i; j < n; ++j) ss += to_float(x[j]) * to_float(x[j]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+#ifdef ECOSERVE_SIMD
+  if constexpr (explicit_simd<T>()) {
+    const vec vinv = vset1(inv);
+    for (; i + W <= n; i += W) vstore(out + i, vmul(vload(w + i), vround_bf16(vmul(vload(x + i), vinv))));
+  }
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(w[i]) * round_to<T>(to_float(x[i]) * inv));
+  for (int64_t j = i; j < n; ++j) out[j] = from_float<T>(to_float(w[j]) * round_to<T>(to_float(x[j]) * inv));
 }
 
 bool is_supported(const torch::Tensor& x) { return x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16; }
@@ -76,16 +106,37 @@ void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
       for (int64_t h = 0; h < H; ++h) {
         T* x1 = xp + t * row + h * D;
         T* x2 = x1 + half;
+        int64_t i = 0;
+#ifdef ECOSERVE_SIMD
+        if constexpr (explicit_simd<T>()) {
+          for (; i + W <= half; i += W) {
+            const vec a = vload(x1 + i), b2 = vload(x2 + i), ci = vload(c + i), si = vload(s + i);
+            vstore(x1 + i, vsub(vround_bf16(vmul(a, ci)), vround_bf16(vmul(b2, si))));
+            vstore(x2 + i, vadd(vround_bf16(vmul(b2, ci)), vround_bf16(vmul(a, si))));
+          }
+        }
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = to_float(x1[i]), b2 = to_float(x2[i]), ci = to_float(c[i]), si = to_float(s[i]);
-          x1[i] = from_float<T>(round_to<T>(a * ci) - round_to<T>(b2 * si));
-          x2[i] = from_float<T>(round_to<T>(b2 * ci) + round_to<T>(a * si));
+        for (int64_t j = i; j < half; ++j) {
+          const float a = to_float(x1[j]), b2 = to_float(x2[j]), ci = to_float(c[j]), si = to_float(s[j]);
+          x1[j] = from_float<T>(round_to<T>(a * ci) - round_to<T>(b2 * si));
+          x2[j] = from_float<T>(round_to<T>(b2 * ci) + round_to<T>(a * si));
         }
       }
     }
   });
 }
+
+#ifdef ECOSERVE_SIMD
+// silu on a vector, for bf16 rows: the exponential's fused multiply-adds may move the float32 value by
+// an ulp from the scalar loop's, which rounding to bf16 hides but on a rounding boundary.
+inline vec vsilu(vec g) {
+  const vec zero = vset1(0.f);
+  const vec z = vexp_nonpositive(vsub(zero, vmax(g, vsub(zero, g))));  // exp(-|g|)
+  const vec one = vset1(1.f);
+  return vmul(g, vdiv(vselect(vle(g, zero), z, one), vadd(one, z)));
+}
+#endif
 
 template <typename T>
 void silu_mul_rows(const torch::Tensor& x, torch::Tensor& out) {
@@ -96,8 +147,13 @@ void silu_mul_rows(const torch::Tensor& x, torch::Tensor& out) {
     for (int64_t r = b; r < e; ++r) {
       const T *g = xp + r * two, *u = g + inter;
       T* o = op + r * inter;
+      int64_t i = 0;
+#ifdef ECOSERVE_SIMD
+      if constexpr (explicit_simd<T>())
+        for (; i + W <= inter; i += W) vstore(o + i, vmul(vround_bf16(vsilu(vload(g + i))), vload(u + i)));
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = from_float<T>(round_to<T>(silu(to_float(g[i]))) * to_float(u[i]));
+      for (int64_t j = i; j < inter; ++j) o[j] = from_float<T>(round_to<T>(silu(to_float(g[j]))) * to_float(u[j]));
     }
   });
 }
