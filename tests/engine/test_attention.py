@@ -202,3 +202,20 @@ def test_native_prefill_kernel_rejects_bad_spans_and_tensors():
     with pytest.raises(RuntimeError, match="contiguous"):
         kernel(q, k_cache.transpose(0, 1), v_cache, out, tables, torch.tensor([[0, 4, 4]]), 0.125)
     assert not out.any()
+
+
+def test_bf16_prompt_chunks_go_to_sdpa_only_where_amx_runs_it(monkeypatch):
+    """On an AMX-BF16 CPU torch's SDPA is the faster prompt attention over a bf16 cache; decodes stay
+    native, a float32 cache keeps both kernels, and use_native=True forces both."""
+    import ecoserve.engine.attention as attention
+
+    cache = PagedKVCache(1, 8, 4, 2, 16, torch.bfloat16)
+    for flags, expect_prefill in [({"avx512f", "amx_bf16"}, False), ({"avx512f", "avx512_bf16"}, True)]:
+        monkeypatch.setattr(attention, "cpu_flags", lambda flags=flags: frozenset(flags))
+        attn = PagedAttention(cache)
+        if attn._native is None:
+            pytest.skip("no native kernel on this machine")
+        assert (attn._prefill is not None) == (expect_prefill and attention.paged_prefill() is not None)
+        assert PagedAttention(cache, use_native=True)._prefill is attention.paged_prefill()
+        f32 = PagedAttention(PagedKVCache(1, 8, 4, 2, 16, torch.float32))
+        assert f32._prefill is attention.paged_prefill()
