@@ -19,7 +19,8 @@
 // against each cached row, softmax, then the weighted sum of V, streaming each K and V row once.
 // The task is memory-bound (a row is Hkv * D elements, a block sits anywhere in the cache), so the
 // next block is prefetched while one is read: 8.3 -> 1.5 ms for 64 sequences of 330 tokens, 12
-// heads over 4 kv heads of 64 (one core, float32 cache). Where the head dim is a multiple of the SIMD
+// heads over 4 kv heads of 64 (one core, float32 cache); a bf16 cache halves the bytes read (1.8-2.3
+// against 2.3-3.1 ms for float32 on a shared Intel Xeon core). Where the head dim is a multiple of the SIMD
 // width (AVX-512 or AVX2) a row is held in vector registers while its G = Hq / Hkv query heads use it,
 // and the exponentials are vectorized; other head dims take plain loops.
 

@@ -25,7 +25,10 @@
 // max, sum and rescaling run across keys lane by lane, with no horizontal reductions: per key a
 // task does 2 * D vector multiply-adds for its W rows. 115-156 GFLOP/s on one core here (head dim
 // 64), where torch's CPU flash SDPA reached 37-73: its GEMM is MKL's, which does not use AVX-512 on
-// this AMD CPU.
+// this AMD CPU. In bfloat16 on an Intel CPU with AMX, torch's SDPA runs its products on AMX and is
+// faster (the engine sends such prompt chunks there); AVX512-BF16 pair products (_mm512_dpbf16_ps)
+// in place of the float32 multiply-adds measured slower on that CPU (10.5 against 8.2 ms, 8 prompts of
+// 256 tokens, P and V packed into bf16 pairs per tile), so bf16 rows are widened to float32 instead.
 
 namespace {
 
