@@ -81,3 +81,21 @@ def test_lower_isa_the_cpu_lacks_is_not_built(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
     assert kernels._load.__wrapped__("paged_decode", "torch SDPA", isa="avx2") is None
     assert not (tmp_path / "kernels").exists()
+
+
+def test_attention_kernel_benchmark_runs_every_dtype_pair():
+    """scripts/bench_attention_kernels.py, the command the kernel figures come from, on a tiny shape."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if kernels.paged_prefill() is None:
+        __import__("pytest").skip("no native kernels on this machine")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "scripts" / "bench_attention_kernels.py"), "--seqs", "2",
+                          "--context", "20", "--prompts", "2", "--prompt-len", "16", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith(("native", "sdpa"))]
+    assert len([r for r in rows if r[0] == "native"]) == 8 and len([r for r in rows if r[0] == "sdpa"]) == 4
+    assert all(float(r[5]) > 0 for r in rows)
