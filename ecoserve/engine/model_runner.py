@@ -31,8 +31,7 @@ class ModelRunner:
         cache_dtype = kv_cache_dtype or model.dtype
         self.kv_cache = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
                                      cache_dtype, self.device)
-        # the native attention kernels read a cache of the activations' dtype; a mixed pair runs torch SDPA
-        self.attention = PagedAttention(self.kv_cache, use_native=None if cache_dtype == model.dtype else False)
+        self.attention = PagedAttention(self.kv_cache)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)

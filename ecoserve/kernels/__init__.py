@@ -15,6 +15,12 @@ The engine works without them: if the compiler or ninja is missing, or ECOSERVE_
 `paged_decode()` and `paged_prefill()` return None and attention falls back to torch SDPA (over
 gathered blocks for decodes), `fused_ops()` returns None and the layers run torch's elementwise
 ops, and `quant_matmul()` returns None and quantized layers dequantize with torch.
+
+`ECOSERVE_KERNEL_ISA=avx2` (or the `isa` argument of the loaders) builds for a lower instruction set
+than this CPU's, AVX2 + FMA without AVX-512, AVX-VNNI or AMX, into its own folder: tests run the AVX2
+paths on an AVX-512 machine with it. The attention kernels and fused ops take bfloat16 rows on any
+build (the loads widen them with plain AVX2 or AVX-512F instructions), so a CPU without bf16
+instructions runs them too.
 """
 from __future__ import annotations
 
@@ -72,12 +78,28 @@ def isa_tag() -> str:
     return "-".join([width, *named, digest])
 
 
-def _build_dir(source: str = "") -> Path:
+# lower instruction sets a build can target on a CPU that has more: name -> (CPU flags it needs,
+# compiler flags after -march=native). -mno-avx512f turns off every AVX-512 extension with it.
+_LOWER_ISAS = {"avx2": (frozenset({"avx2", "fma"}), ["-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile",
+                                                     "-mno-amx-int8", "-mno-amx-bf16"])}
+ISA_ENV = "ECOSERVE_KERNEL_ISA"
+
+
+def target_isa(isa: str | None = None) -> str:
+    """The instruction set to build for: `isa`, else $ECOSERVE_KERNEL_ISA, else `native` (this CPU's)."""
+    isa = (isa or os.environ.get(ISA_ENV) or "native").lower()
+    if isa != "native" and isa not in _LOWER_ISAS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected native or one of {sorted(_LOWER_ISAS)}")
+    return isa
+
+
+def _build_dir(source: str = "", isa: str = "native") -> Path:
     """One folder per torch version, instruction set and kernel source: ninja files of two extensions
     must not mix, and a binary built for one CPU must not load on another."""
     import torch
 
-    path = cache_root() / "kernels" / f"torch-{torch.__version__}" / isa_tag() / source
+    tag = isa_tag() if isa == "native" else f"{isa_tag()}-as-{isa}"
+    path = cache_root() / "kernels" / f"torch-{torch.__version__}" / tag / source
     path.mkdir(parents=True, exist_ok=True)
     lock = path / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
@@ -103,42 +125,53 @@ _EXACT_MATH = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
 @functools.lru_cache(maxsize=None)
-def _load(source: str, what: str, exact: bool = False):
+def _load(source: str, what: str, exact: bool = False, isa: str = "native"):
     if os.environ.get("ECOSERVE_NO_NATIVE") == "1":
         return None
+    lower = []
+    if isa != "native":
+        needs, lower = _LOWER_ISAS[isa]
+        if not needs <= cpu_flags():  # a binary for an instruction set this CPU lacks would crash on load
+            logger.warning("native CPU %s kernel for %s unavailable: this CPU lacks %s; using %s", source, isa,
+                           " ".join(sorted(needs - cpu_flags())), what)
+            return None
     try:
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
         started = time.perf_counter()
-        module = load(f"ecoserve_{source}", [str(Path(__file__).with_name(f"{source}.cpp"))],
-                      extra_cflags=_EXACT_MATH if exact else _FAST_MATH,
-                      build_directory=str(_build_dir(source)), verbose=False)
-        logger.debug("native %s kernel ready in %.1f s", source, time.perf_counter() - started)
+        # one module name per instruction set: two builds of a source may be loaded in one process
+        name = f"ecoserve_{source}" if isa == "native" else f"ecoserve_{source}_{isa}"
+        module = load(name, [str(Path(__file__).with_name(f"{source}.cpp"))],
+                      extra_cflags=(_EXACT_MATH if exact else _FAST_MATH) + lower,
+                      build_directory=str(_build_dir(source, isa)), verbose=False)
+        logger.debug("native %s kernel (%s) ready in %.1f s", source, isa, time.perf_counter() - started)
         return module
     except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
         logger.warning("native CPU %s kernel unavailable (%s); using %s", source, str(e).splitlines()[0], what)
         return None
 
 
-def paged_decode():
-    """The compiled `paged_decode(q, k_cache, v_cache, tables, lens, scale)`, or None."""
-    module = _load("paged_decode", "torch SDPA")
+def paged_decode(isa: str | None = None):
+    """The compiled `paged_decode(q, k_cache, v_cache, tables, lens, scale)`, or None. q (and the
+    result) and the cache are each float32 or bfloat16."""
+    module = _load("paged_decode", "torch SDPA", isa=target_isa(isa))
     return module.paged_decode if module is not None else None
 
 
-def paged_prefill():
+def paged_prefill(isa: str | None = None):
     """The compiled `paged_prefill(q, k_cache, v_cache, out, tables, spans, scale)`, or None (also
-    where the compiler targets neither AVX2 nor AVX-512)."""
-    module = _load("paged_prefill", "torch SDPA")
+    where the compiler targets neither AVX2 nor AVX-512). q and out share a dtype, float32 or
+    bfloat16; the cache is either."""
+    module = _load("paged_prefill", "torch SDPA", isa=target_isa(isa))
     return module.paged_prefill if module is not None and module.has_simd() else None
 
 
-def fused_ops():
-    """The compiled module with `rms_norm`, `rotary_` and `silu_and_mul`, or None."""
-    return _load("fused_ops", "torch elementwise ops", exact=True)
+def fused_ops(isa: str | None = None):
+    """The compiled module with `rms_norm`, `rotary_` and `silu_and_mul` (float32 or bfloat16 rows), or None."""
+    return _load("fused_ops", "torch elementwise ops", exact=True, isa=target_isa(isa))
 
 
-def quant_matmul():
+def quant_matmul(isa: str | None = None):
     """The compiled module with `quant_linear(x, w, qtype)` and `dequantize(w, qtype, K)`, or None."""
-    return _load("quant_matmul", "torch dequantization")
+    return _load("quant_matmul", "torch dequantization", isa=target_isa(isa))

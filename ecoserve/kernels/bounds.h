@@ -8,7 +8,7 @@
 
 namespace ecoserve_bounds {
 
-// The cache is [num_blocks, block_size, Hkv, D] float32, K and V alike; q has Hq heads of D, Hq a multiple of Hkv.
+// The cache is [num_blocks, block_size, Hkv, D], K and V alike; q has Hq heads of D, Hq a multiple of Hkv.
 inline void check_cache(const char* kernel, const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t Hq,
                         int64_t D) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), kernel,

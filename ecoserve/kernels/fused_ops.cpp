@@ -3,15 +3,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "bf16.h"
 #include "simd.h"
 
-// Fused elementwise chains of the decoder layer on CPU, float32: each replaces 4-9 torch ops (and
-// their Python calls and temporaries) by one pass over the rows. The float operations are HF
-// Llama's, per element in the same order (built without -ffast-math and with -ffp-contract=off: no
-// fused multiply-adds where torch has none), except the RMS sum of squares, accumulated in another
-// order, and SiLU's exponential, a vectorizable polynomial within 2e-7 of expf (a call to expf
-// does not vectorize without -ffast-math, and a 2048-token prompt chunk needs millions).
+// Fused elementwise chains of the decoder layer on CPU, float32 or bfloat16 rows: each replaces 4-9
+// torch ops (and their Python calls and temporaries) by one pass over the rows. The float operations
+// are HF Llama's, per element in the same order (built without -ffast-math and with
+// -ffp-contract=off: no fused multiply-adds where torch has none), except the RMS sum of squares,
+// accumulated in another order, and SiLU's exponential, a vectorizable polynomial within 2e-7 of
+// expf (a call to expf does not vectorize without -ffast-math, and a 2048-token prompt chunk needs
+// millions). In bfloat16 each value is rounded to bf16 where HF's bf16 modules round it: torch runs
+// a bf16 op in float32 and rounds its result, so rotary rounds each product and each sum, SiLU-and-mul
+// the SiLU and the product, and RMSNorm (float32 statistics) the normalised row and its product with
+// the bf16 weight.
 
 namespace {
 
@@ -26,19 +32,130 @@ inline float silu(float g) {
   return g * ((g < 0.f ? z : 1.f) / (1.f + z));
 }
 
-inline void rms_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+:ss)
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+// x rounded to T: the result of a torch op in T (identity for float)
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
+// The loops over c10::BFloat16 elements do not vectorize on their own: bf16 rows take explicit vector
+// loops (the same operations in the same order per element), float32 rows the compiler's.
+template <typename T>
+constexpr bool explicit_simd() {
+#ifdef ECOSERVE_SIMD
+  return std::is_same_v<T, c10::BFloat16>;
+#else
+  return false;
+#endif
 }
 
+template <typename T>
+inline void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+  int64_t i = 0;
+#ifdef ECOSERVE_SIMD
+  if constexpr (explicit_simd<T>()) {
+    vec acc = vset1(0.f);
+    for (; i + W <= n; i += W) {
+      const vec xi = vload(x + i);
+      acc = vadd(acc, vmul(xi, xi));
+    }
+    ss = vsum(acc);
+  }
+#endif
+#pragma omp simd reduction(+:ss)
+  for (int64_t j = i; j < n; ++j) ss += to_float(x[j]) * to_float(x[j]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+#ifdef ECOSERVE_SIMD
+  if constexpr (explicit_simd<T>()) {
+    const vec vinv = vset1(inv);
+    for (; i + W <= n; i += W) vstore(out + i, vmul(vload(w + i), vround_bf16(vmul(vload(x + i), vinv))));
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) out[j] = from_float<T>(to_float(w[j]) * round_to<T>(to_float(x[j]) * inv));
+}
+
+bool is_supported(const torch::Tensor& x) { return x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16; }
+
 void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, what, ": float32 only");
+  TORCH_CHECK(is_supported(x) && w.dtype() == x.dtype(), what, ": float32 or bfloat16 rows and weight alike, got ",
+              x.dtype(), " and ", w.dtype());
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), what, ": contiguous tensors only");
   TORCH_CHECK(x.size(-1) == w.numel(), what, ": the weight must have the rows' length");
+}
+
+template <typename T>
+void rms_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor& out, float eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
+  const T *xp = x.data_ptr<T>(), *wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) rms_row(xp + r * n, wp, op + r * n, n, eps);
+  });
+}
+
+// The half-split rotation in place: x1 cos - x2 sin, x2 cos + x1 sin, each product and sum a torch op.
+template <typename T>
+void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t tokens = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, grain(H * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T *c = cp + t * half, *s = sp + t * half;
+      for (int64_t h = 0; h < H; ++h) {
+        T* x1 = xp + t * row + h * D;
+        T* x2 = x1 + half;
+        int64_t i = 0;
+#ifdef ECOSERVE_SIMD
+        if constexpr (explicit_simd<T>()) {
+          for (; i + W <= half; i += W) {
+            const vec a = vload(x1 + i), b2 = vload(x2 + i), ci = vload(c + i), si = vload(s + i);
+            vstore(x1 + i, vsub(vround_bf16(vmul(a, ci)), vround_bf16(vmul(b2, si))));
+            vstore(x2 + i, vadd(vround_bf16(vmul(b2, ci)), vround_bf16(vmul(a, si))));
+          }
+        }
+#endif
+#pragma omp simd
+        for (int64_t j = i; j < half; ++j) {
+          const float a = to_float(x1[j]), b2 = to_float(x2[j]), ci = to_float(c[j]), si = to_float(s[j]);
+          x1[j] = from_float<T>(round_to<T>(a * ci) - round_to<T>(b2 * si));
+          x2[j] = from_float<T>(round_to<T>(b2 * ci) + round_to<T>(a * si));
+        }
+      }
+    }
+  });
+}
+
+#ifdef ECOSERVE_SIMD
+// silu on a vector, for bf16 rows: the exponential's fused multiply-adds may move the float32 value by
+// an ulp from the scalar loop's, which rounding to bf16 hides but on a rounding boundary.
+inline vec vsilu(vec g) {
+  const vec zero = vset1(0.f);
+  const vec z = vexp_nonpositive(vsub(zero, vmax(g, vsub(zero, g))));  // exp(-|g|)
+  const vec one = vset1(1.f);
+  return vmul(g, vdiv(vselect(vle(g, zero), z, one), vadd(one, z)));
+}
+#endif
+
+template <typename T>
+void silu_mul_rows(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t two = x.size(-1), inter = two / 2, rows = x.numel() / std::max<int64_t>(two, 1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(two), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T *g = xp + r * two, *u = g + inter;
+      T* o = op + r * inter;
+      int64_t i = 0;
+#ifdef ECOSERVE_SIMD
+      if constexpr (explicit_simd<T>())
+        for (; i + W <= inter; i += W) vstore(o + i, vmul(vround_bf16(vsilu(vload(g + i))), vload(u + i)));
+#endif
+#pragma omp simd
+      for (int64_t j = i; j < inter; ++j) o[j] = from_float<T>(round_to<T>(silu(to_float(g[j]))) * to_float(u[j]));
+    }
+  });
 }
 
 }  // namespace
@@ -47,62 +164,37 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* what
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, weight, "rms_norm");
   auto out = torch::empty_like(x);
-  const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) rms_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
-  });
+  if (x.dtype() == torch::kBFloat16) rms_rows<c10::BFloat16>(x, weight, out, static_cast<float>(eps));
+  else rms_rows<float>(x, weight, out, static_cast<float>(eps));
   return out;
 }
 
 // In place on x [T, H, D] (rows may be strided, e.g. q or k inside the fused qkv output): the
-// half-split rotation (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D/2] (or [T, 1, D/2]).
+// half-split rotation (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D/2] (or [T, 1, D/2]), all
+// float32 or all bfloat16.
 torch::Tensor rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32,
-              "rotary_: float32 only");
+  TORCH_CHECK(is_supported(x) && cos.dtype() == x.dtype() && sin.dtype() == x.dtype(),
+              "rotary_: x, cos and sin must be float32 or bfloat16 alike, got ", x.dtype(), ", ", cos.dtype(), " and ",
+              sin.dtype());
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_: x must be [T, H, D] with "
               "contiguous heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rotary_: contiguous cos/sin only");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
+  const int64_t T = x.size(0), D = x.size(2), half = D / 2;
   TORCH_CHECK(cos.numel() == T * half && sin.numel() == T * half, "rotary_: cos/sin must be [T, D/2]");
-  float* xp = x.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, grain(H * D), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float *c = cp + t * half, *s = sp + t * half;
-      for (int64_t h = 0; h < H; ++h) {
-        float* x1 = xp + t * row + h * D;
-        float* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b2 = x2[i];
-          x1[i] = a * c[i] - b2 * s[i];
-          x2[i] = b2 * c[i] + a * s[i];
-        }
-      }
-    }
-  });
+  if (x.dtype() == torch::kBFloat16) rotate_rows<c10::BFloat16>(x, cos, sin);
+  else rotate_rows<float>(x, cos, sin);
   return x;
 }
 
 // x [T, 2I] = [gate | up] -> silu(gate) * up [T, I].
 torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous(), "silu_and_mul: contiguous float32 only");
-  const int64_t two = x.size(-1), inter = two / 2, rows = x.numel() / std::max<int64_t>(two, 1);
+  TORCH_CHECK(is_supported(x) && x.is_contiguous(), "silu_and_mul: contiguous float32 or bfloat16 only, got ",
+              x.dtype());
   auto sizes = x.sizes().vec();
-  sizes.back() = inter;
+  sizes.back() = x.size(-1) / 2;
   auto out = torch::empty(sizes, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(two), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const float *g = xp + r * two, *u = g + inter;
-      float* o = op + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = silu(g[i]) * u[i];
-    }
-  });
+  if (x.dtype() == torch::kBFloat16) silu_mul_rows<c10::BFloat16>(x, out);
+  else silu_mul_rows<float>(x, out);
   return out;
 }
 

@@ -4,8 +4,10 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "bf16.h"
 #include "bounds.h"
 #include "simd.h"
 
@@ -15,13 +17,18 @@
 // k_cache, v_cache: [num_blocks, block_size, Hkv, D]; tables: [P, max_blocks] int64 block ids;
 // spans: [P, 3] int64 (q_start, q_len, ctx_len). Query i of a span sits at position
 // ctx_len - q_len + i and attends to keys 0..that position: causal, offset by the cached prefix.
+// q and out are float32 or bfloat16 (alike), the cache either: all arithmetic is float32, bf16
+// queries, keys and values widened as they are copied into a task's tiles, outputs rounded on store.
 //
 // The lanes of a vector register hold W query rows (tokens of one span times the G query heads that
 // share one kv head), so each K or V element is broadcast to every lane, and the online softmax's
 // max, sum and rescaling run across keys lane by lane, with no horizontal reductions: per key a
 // task does 2 * D vector multiply-adds for its W rows. 115-156 GFLOP/s on one core here (head dim
 // 64), where torch's CPU flash SDPA reached 37-73: its GEMM is MKL's, which does not use AVX-512 on
-// this AMD CPU.
+// this AMD CPU. In bfloat16 on an Intel CPU with AMX, torch's SDPA runs its products on AMX and is
+// faster (the engine sends such prompt chunks there); AVX512-BF16 pair products (_mm512_dpbf16_ps)
+// in place of the float32 multiply-adds measured slower on that CPU (10.5 against 8.2 ms, 8 prompts of
+// 256 tokens, P and V packed into bf16 pairs per tile), so bf16 rows are widened to float32 instead.
 
 namespace {
 
@@ -45,18 +52,27 @@ struct Shape {
 };
 
 // Kv head h's row of key j in the paged cache.
-inline const float* row_at(const float* cache, const Span& s, const Shape& sh, int64_t h, int64_t j, int64_t D) {
+template <typename C>
+inline const C* row_at(const C* cache, const Span& s, const Shape& sh, int64_t h, int64_t j, int64_t D) {
   return cache + ((s.table[j / sh.bs] * sh.bs + j % sh.bs) * sh.Hkv + h) * D;
 }
 
-// Copies W key rows of kv head h, starting at key j0, into a contiguous tile (the score loop reads
-// all W at each dim); rows past the last key repeat it (their scores are masked out).
-template <int DT>
-inline void load_tile(float* tile, const float* cache, const Span& s, const Shape& sh, int64_t h, int64_t j0,
+// Copies W key rows of kv head h, starting at key j0, into a contiguous float32 tile (the score loop
+// reads all W at each dim); rows past the last key repeat it (their scores are masked out).
+template <int DT, typename C>
+inline void load_tile(float* tile, const C* cache, const Span& s, const Shape& sh, int64_t h, int64_t j0,
                       int64_t nk, int64_t d_rt) {
   const int64_t D = DT ? DT : d_rt;
-  for (int c = 0; c < W; ++c)
-    std::memcpy(tile + c * D, row_at(cache, s, sh, h, j0 + std::min<int64_t>(c, nk - 1), D), D * sizeof(float));
+  for (int c = 0; c < W; ++c) {
+    const C* row = row_at(cache, s, sh, h, j0 + std::min<int64_t>(c, nk - 1), D);
+    if constexpr (std::is_same_v<C, float>) {
+      std::memcpy(tile + c * D, row, D * sizeof(float));
+    } else {
+      int64_t d = 0;
+      for (; d + W <= D; d += W) vstore(tile + c * D + d, vload(row + d));
+      for (; d < D; ++d) tile[c * D + d] = to_float(row[d]);
+    }
+  }
 }
 
 // sc[c] = the W rows' scores against key c of the tile: D broadcast multiply-adds per key, the W
@@ -73,16 +89,18 @@ inline void scores(vec* __restrict sc, const float* __restrict qt, const float* 
   for (int c = 0; c < W; ++c) sc[c] = acc[c];
 }
 
-// DT: the head dim when known at compile time (the loops unroll), 0 for any other (d_rt).
-template <int DT>
-void run_task(const Task& t, const std::vector<Span>& spans, const Shape& sh, const float* q, const float* kc,
-              const float* vc, float* out, float* qt, float* ot, float* kt, int64_t d_rt) {
+// DT: the head dim when known at compile time (the loops unroll), 0 for any other (d_rt). Q: q's and
+// out's element type, C: the cache's. vt: a float32 tile of V rows, used where the cache is bf16 (a
+// float32 V is read in place).
+template <int DT, typename Q, typename C>
+void run_task(const Task& t, const std::vector<Span>& spans, const Shape& sh, const Q* q, const C* kc,
+              const C* vc, Q* out, float* qt, float* ot, float* kt, float* vt, int64_t d_rt) {
   const int64_t D = DT ? DT : d_rt;
   const Span& s = spans[t.span];
   const int64_t past = s.ctx_len - s.q_len, rows = s.q_len * sh.G;
   alignas(64) float pos[W];
-  const float* qrow[W];
-  float* orow[W];
+  const Q* qrow[W];
+  Q* orow[W];
   // lanes past the last row repeat it and are not stored
   for (int lane = 0; lane < W; ++lane) {
     const int64_t r = std::min<int64_t>(t.first_row + lane, rows - 1);
@@ -101,7 +119,7 @@ void run_task(const Task& t, const std::vector<Span>& spans, const Shape& sh, co
     for (int j = 0; j < W; ++j) vstore(qt + (d0 + j) * W, blk[j]);
   }
   for (; d0 < D; ++d0)
-    for (int lane = 0; lane < W; ++lane) qt[d0 * W + lane] = qrow[lane][d0] * sh.scale;
+    for (int lane = 0; lane < W; ++lane) qt[d0 * W + lane] = to_float(qrow[lane][d0]) * sh.scale;
   const vec posv = vload(pos);
   const int64_t first_pos = past + t.first_row / sh.G;  // the lanes' positions only grow
   const int64_t last_row = std::min<int64_t>(t.first_row + W, rows) - 1;
@@ -112,8 +130,13 @@ void run_task(const Task& t, const std::vector<Span>& spans, const Shape& sh, co
   for (int64_t j0 = 0; j0 < kv_end; j0 += W) {
     const int64_t nk = std::min<int64_t>(W, kv_end - j0);
     load_tile<DT>(kt, kc, s, sh, t.head, j0, nk, D);
-    const float* vrow[W];  // V is read in place: a key's row at a time
-    for (int c = 0; c < W; ++c) vrow[c] = row_at(vc, s, sh, t.head, j0 + std::min<int64_t>(c, nk - 1), D);
+    const float* vrow[W];  // a key's V row at a time: in place, or widened into the V tile
+    if constexpr (std::is_same_v<C, float>) {
+      for (int c = 0; c < W; ++c) vrow[c] = row_at(vc, s, sh, t.head, j0 + std::min<int64_t>(c, nk - 1), D);
+    } else {
+      load_tile<DT>(vt, vc, s, sh, t.head, j0, nk, D);
+      for (int c = 0; c < W; ++c) vrow[c] = vt + c * D;
+    }
     vec sc[W];
     scores<DT>(sc, qt, kt, D);
     vec tile_max = neg_inf;
@@ -164,21 +187,43 @@ void run_task(const Task& t, const std::vector<Span>& spans, const Shape& sh, co
   alignas(64) float invs[W];
   vstore(invs, inv);
   for (; d0 < D; ++d0)
-    for (int lane = 0; lane < real; ++lane) orow[lane][d0] = ot[d0 * W + lane] * invs[lane];
+    for (int lane = 0; lane < real; ++lane) orow[lane][d0] = from_float<Q>(ot[d0 * W + lane] * invs[lane]);
 }
 
-using TaskFn = void (*)(const Task&, const std::vector<Span>&, const Shape&, const float*, const float*,
-                        const float*, float*, float*, float*, float*, int64_t);
+template <typename Q, typename C>
+using TaskFn = void (*)(const Task&, const std::vector<Span>&, const Shape&, const Q*, const C*, const C*, Q*,
+                        float*, float*, float*, float*, int64_t);
 
-TaskFn pick(int64_t D) {
+template <typename Q, typename C>
+TaskFn<Q, C> pick(int64_t D) {
   switch (D) {
-    case 32: return run_task<32>;
-    case 64: return run_task<64>;
-    case 80: return run_task<80>;
-    case 96: return run_task<96>;
-    case 128: return run_task<128>;
-    default: return run_task<0>;
+    case 32: return run_task<32, Q, C>;
+    case 64: return run_task<64, Q, C>;
+    case 80: return run_task<80, Q, C>;
+    case 96: return run_task<96, Q, C>;
+    case 128: return run_task<128, Q, C>;
+    default: return run_task<0, Q, C>;
   }
+}
+
+template <typename Q, typename C>
+void run_tasks(const std::vector<Task>& tasks, const std::vector<Span>& list, const Shape& sh, int64_t D,
+               const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+               torch::Tensor& out) {
+  const TaskFn<Q, C> fn = pick<Q, C>(D);
+  const Q* qp = q.data_ptr<Q>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  Q* op = out.data_ptr<Q>();
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> buf(4 * D * W);  // transposed queries, output accumulators, a K tile, a V tile
+    float* b = buf.data();
+    for (int64_t i = next++; i < n; i = next++)
+      fn(tasks[i], list, sh, qp, kp, vp, op, b, b + D * W, b + 2 * D * W, b + 3 * D * W, D);
+  });
 }
 #endif
 
@@ -195,8 +240,13 @@ bool has_simd() {
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
                    torch::Tensor tables, torch::Tensor spans, double scale) {
   TORCH_CHECK(has_simd(), "paged_prefill: built without AVX2/AVX-512; use torch SDPA");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_prefill: float32 only");
+  const auto is_supported = [](const torch::Tensor& x) {
+    return x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16;
+  };
+  TORCH_CHECK(is_supported(q) && out.dtype() == q.dtype() && is_supported(k_cache) &&
+              v_cache.dtype() == k_cache.dtype(), "paged_prefill: q and out must be float32 or bfloat16 alike, "
+              "the cache float32 or bfloat16 (K and V alike), got ", q.dtype(), ", ", out.dtype(), ", ",
+              k_cache.dtype(), " and ", v_cache.dtype());
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill: q must be [T, Hq, D] "
               "with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() && tables.is_contiguous() &&
@@ -240,19 +290,12 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
     return list[a.span].q_len * list[a.span].ctx_len > list[b.span].q_len * list[b.span].ctx_len;
   });
-  const TaskFn fn = pick(D);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(tasks.size());
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> buf(3 * D * W);  // transposed queries, output accumulators, a K tile
-    for (int64_t i = next++; i < n; i = next++)
-      fn(tasks[i], list, sh, qp, kp, vp, op, buf.data(), buf.data() + D * W, buf.data() + 2 * D * W, D);
-  });
+  using bf16 = c10::BFloat16;
+  const bool q_bf16 = q.dtype() == torch::kBFloat16, cache_bf16 = k_cache.dtype() == torch::kBFloat16;
+  if (!q_bf16 && !cache_bf16) run_tasks<float, float>(tasks, list, sh, D, q, k_cache, v_cache, out);
+  else if (!q_bf16) run_tasks<float, bf16>(tasks, list, sh, D, q, k_cache, v_cache, out);
+  else if (!cache_bf16) run_tasks<bf16, float>(tasks, list, sh, D, q, k_cache, v_cache, out);
+  else run_tasks<bf16, bf16>(tasks, list, sh, D, q, k_cache, v_cache, out);
 #endif
 }
 

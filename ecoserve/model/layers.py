@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = native_for(x)
-        if native is not None and x.is_contiguous() and self.weight.dtype == torch.float32:
+        if native is not None and x.is_contiguous() and self.weight.dtype == x.dtype:
             return native.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

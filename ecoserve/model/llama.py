@@ -41,7 +41,8 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        native = native_for(qkv) if self.q_norm is None and qkv.is_contiguous() else None
+        rotary_native = self.q_norm is None and qkv.is_contiguous() and cos.dtype == qkv.dtype
+        native = native_for(qkv) if rotary_native else None
         if native is not None:  # q and k side by side in each row: one in-place pass rotates both
             native.rotary_(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
         else:

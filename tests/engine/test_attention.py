@@ -58,6 +58,59 @@ def test_paged_attention_equals_dense_over_steps(native):
             offset += n
 
 
+DTYPE_PAIRS = {"q-bf16-cache-bf16": (torch.bfloat16, torch.bfloat16), "q-f32-cache-bf16": (torch.float32, torch.bfloat16),
+               "q-bf16-cache-f32": (torch.bfloat16, torch.float32), "q-f16-cache-f32": (torch.float16, torch.float32)}
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["sdpa", "native"])
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
+def test_paged_attention_with_bf16_activations_or_cache(native, dtypes):
+    """q in the model's dtype, the cache in its own: new K/V are rounded to the cache's dtype as they are
+    written, and both paths attend over those cached values. Reference: float64 dense attention over the
+    same values. Tolerance: a float32 result (native or SDPA) is within the float32 tests' 1e-5; a bf16
+    one rounds the float32 result once (2^-8 of the value); torch's SDPA in bf16 rounds intermediate
+    values to bf16 too (2.3e-3 of the output's scale measured at 300 tokens), so it gets 2^-7 of that scale.
+    A float16 q (which the kernels do not take) runs them in float32: one rounding to float16, 2^-11."""
+    q_dtype, cache_dtype = dtypes
+    torch.manual_seed(0)
+    bs, hq, hkv, d, nblocks = 4, 6, 2, 64, 64
+    cache = PagedKVCache(1, nblocks, bs, hkv, d, cache_dtype)
+    attn = PagedAttention(cache, use_native=native)
+    assert (attn._native is not None) == native
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
+    totals = [5, 13, 30]
+    qkv = [[torch.randn(t, h, d).to(q_dtype) for h in (hq, hkv, hkv)] for t in totals]
+    scale = d ** -0.5
+    # step 1: the prompts but their last 2 tokens (prefills), step 2: the next token (a prefix-cached
+    # prefill chunk for the first, decodes for the others), step 3: decodes
+    done = [0, 0, 0]
+    for step in range(3):
+        spans, qs, ks, vs = [], [], [], []
+        for i, total in enumerate(totals):
+            n = total - 2 if step == 0 else 1
+            spans.append((done[i], n, tables[i], step == 0 or (step == 1 and i == 0)))
+            q, k, v = (t[done[i]:done[i] + n] for t in qkv[i])
+            qs.append(q), ks.append(k), vs.append(v)
+            done[i] += n
+        attn.meta = attn.build_metadata(spans)
+        out = attn(0, torch.cat(qs), torch.cat(ks), torch.cat(vs), scale)
+        assert out.dtype == q_dtype
+        offset = 0
+        for i, (start, n, _, _) in enumerate(spans):
+            q, k, v = qkv[i]
+            cached = [t[:start + n].to(cache_dtype).double() for t in (k, v)]
+            ref = dense(q[:start + n].double(), *cached, scale)[start:start + n]
+            got = out[offset:offset + n].double()
+            if q_dtype == torch.float32:
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+            elif native:
+                half_step = 2.0 ** -11 if q_dtype == torch.float16 else 2.0 ** -8
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5 + half_step)
+            else:
+                torch.testing.assert_close(got, ref, atol=2.0 ** -7 * float(ref.abs().max()), rtol=0)
+            offset += n
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 @pytest.mark.parametrize("num_seqs", [1, 5])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -144,8 +197,27 @@ def test_native_prefill_kernel_rejects_bad_spans_and_tensors():
                            ([[0, 5, 4]], "attends fewer tokens than it computes")]:
         with pytest.raises(RuntimeError, match=message):
             kernel(q, k_cache, v_cache, out, tables, torch.tensor(spans), 0.125)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16 alike"):
         kernel(q.double(), k_cache, v_cache, out, tables, torch.tensor([[0, 4, 4]]), 0.125)
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16 alike"):  # out's dtype is q's
+        kernel(q.bfloat16(), k_cache, v_cache, out, tables, torch.tensor([[0, 4, 4]]), 0.125)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernel(q, k_cache.transpose(0, 1), v_cache, out, tables, torch.tensor([[0, 4, 4]]), 0.125)
     assert not out.any()
+
+
+def test_bf16_prompt_chunks_go_to_sdpa_only_where_amx_runs_it(monkeypatch):
+    """On an AMX-BF16 CPU torch's SDPA is the faster prompt attention over a bf16 cache; decodes stay
+    native, a float32 cache keeps both kernels, and use_native=True forces both."""
+    import ecoserve.engine.attention as attention
+
+    cache = PagedKVCache(1, 8, 4, 2, 16, torch.bfloat16)
+    for flags, expect_prefill in [({"avx512f", "amx_bf16"}, False), ({"avx512f", "avx512_bf16"}, True)]:
+        monkeypatch.setattr(attention, "cpu_flags", lambda flags=flags: frozenset(flags))
+        attn = PagedAttention(cache)
+        if attn._native is None:
+            pytest.skip("no native kernel on this machine")
+        assert (attn._prefill is not None) == (expect_prefill and attention.paged_prefill() is not None)
+        assert PagedAttention(cache, use_native=True)._prefill is attention.paged_prefill()
+        f32 = PagedAttention(PagedKVCache(1, 8, 4, 2, 16, torch.float32))
+        assert f32._prefill is attention.paged_prefill()

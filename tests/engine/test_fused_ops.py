@@ -72,5 +72,9 @@ def test_fused_ops_reject_mismatched_shapes():
         native.rotary_(torch.randn(3, 8, 2).transpose(1, 2), torch.randn(3, 1, 4), torch.randn(3, 1, 4))
     with pytest.raises(RuntimeError, match="the weight must have the rows' length"):
         native.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         native.silu_and_mul(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="rows and weight alike"):  # a bf16 row never meets a float32 weight
+        native.rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError, match="x, cos and sin must be float32 or bfloat16 alike"):
+        native.rotary_(torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 1, 4), torch.randn(3, 1, 4))

@@ -49,3 +49,53 @@ def test_isa_tag_without_cpuinfo_falls_back_to_torch(monkeypatch):
     import torch
 
     assert kernels.isa_tag().endswith(torch.backends.cpu.get_cpu_capability().lower())
+
+
+def test_kernel_isa_comes_from_the_argument_or_the_environment(monkeypatch):
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    assert kernels.target_isa() == "native" and kernels.target_isa("AVX2") == "avx2"
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert kernels.target_isa() == "avx2" and kernels.target_isa("native") == "native"
+    monkeypatch.setenv(kernels.ISA_ENV, "avx9")
+    with __import__("pytest").raises(ValueError, match="avx9"):
+        kernels.target_isa()
+
+
+def test_lower_isa_build_has_its_own_folder_and_vector_width():
+    """The AVX2 build of a kernel on an AVX-512 machine: its own module and folder, 8-float vectors."""
+    pytest = __import__("pytest")
+    module = kernels._load("paged_decode", "torch SDPA", isa="avx2")
+    if module is None:
+        pytest.skip("no AVX2 build on this machine (compiler or CPU)")
+    assert module.simd_width() == 8
+    folder = os.path.dirname(module.__file__)
+    assert os.path.basename(os.path.dirname(folder)) == kernels.isa_tag() + "-as-avx2"
+    native = kernels._load("paged_decode", "torch SDPA")
+    if native is not None and "avx512f" in kernels.cpu_flags():
+        assert native.simd_width() == 16 and os.path.dirname(native.__file__) != folder
+
+
+def test_lower_isa_the_cpu_lacks_is_not_built(monkeypatch, tmp_path):
+    """A binary for instructions this CPU lacks would crash on load: no build, the torch path instead."""
+    monkeypatch.setenv("ECOSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    assert kernels._load.__wrapped__("paged_decode", "torch SDPA", isa="avx2") is None
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_attention_kernel_benchmark_runs_every_dtype_pair():
+    """scripts/bench_attention_kernels.py, the command the kernel figures come from, on a tiny shape."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if kernels.paged_prefill() is None:
+        __import__("pytest").skip("no native kernels on this machine")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "scripts" / "bench_attention_kernels.py"), "--seqs", "2",
+                          "--context", "20", "--prompts", "2", "--prompt-len", "16", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith(("native", "sdpa"))]
+    assert len([r for r in rows if r[0] == "native"]) == 8 and len([r for r in rows if r[0] == "sdpa"]) == 4
+    assert all(float(r[5]) > 0 for r in rows)
