@@ -65,6 +65,8 @@ def _run(peer: str, python: str, script: str, argv: list[str], timeout_s: float,
                              env={**os.environ, **(env or {})})
     except (OSError, subprocess.TimeoutExpired) as e:
         raise PeerUnavailable(f"{peer} under {python} did not run: {e}") from None
+    if out.returncode < 0:  # a crash in native code prints nothing useful to stderr
+        raise PeerUnavailable(f"{peer} under {python} was killed by signal {-out.returncode}")
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise PeerUnavailable(f"{peer} under {python} failed: {tail}")

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "simd.h"
@@ -47,24 +48,51 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 struct QuantizedRows {  // activations as int8 blocks
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> scale;  // [M, K / 32]
-  std::vector<float> sum;    // [M, K / 32] float sum of the block (Q4_1 offsets)
+  std::vector<int8_t> q;        // [M, K]
+  std::vector<float> info;      // [M, K / 32, 2]: each block's scale max|x| / 127 and float sum (Q4_1 offsets)
+  std::vector<int32_t> centre;  // [M, K / 4]: -8 x the sum of each 4 int8 values (Q4 nibbles' centring)
+  float scale(int64_t block) const { return info[2 * block]; }
+  float sum(int64_t block) const { return info[2 * block + 1]; }
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / QK;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb * 2), std::vector<int32_t>(M * K / 4)};
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * QK;
+    int8_t* qb = r.q.data() + i * QK;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float s = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    // cvtps rounds to nearest even, as nearbyint does in the default rounding mode
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)))));
+#else
     float amax = 0.f, s = 0.f;
     for (int64_t j = 0; j < QK; ++j) { amax = std::max(amax, std::fabs(xb[j])); s += xb[j]; }
     const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    int8_t* qb = r.q.data() + i * QK;
     for (int64_t j = 0; j < QK; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-    r.scale[i] = d; r.sum[i] = s;
+#endif
+    for (int64_t j = 0; j < QK / 4; ++j) r.centre[i * QK / 4 + j] = -8 * (qb[4 * j] + qb[4 * j + 1] + qb[4 * j + 2] + qb[4 * j + 3]);
+    r.info[2 * i] = d; r.info[2 * i + 1] = s;
   }
   return r;
+}
+
+// Bytes of the weight stream to prefetch ahead of the row being read. A decode reads each layer
+// once per token from L3 or memory; without prefetch the integer dots wait on the loads instead of
+// overlapping them (measured on a 30-layer model: 17.9 ms of kernel per token streaming against
+// 7.6 ms with the layers in L2).
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes) {
+#if defined(__x86_64__) || defined(_M_X64)
+  for (int64_t o = 0; o < row_bytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + o), _MM_HINT_T0);
+#endif
 }
 
 #ifdef ECOSERVE_SIMD_INT8
@@ -84,6 +112,96 @@ inline __m256i load_weights(const uint8_t* blk) {
   }
 }
 
+// One block against activation row m's block b as a float: d * scale * dot + Q4_1's offset.
+template <int64_t QT>
+inline float block_dot(const uint8_t* blk, const QuantizedRows& xr, int64_t m, int64_t b, int64_t K) {
+  const __m256i wv = load_weights<QT>(blk);
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + m * K + b * QK));
+  const int64_t i = m * (K / QK) + b;
+  const float dot = hsum8(_mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))));
+  const float d = half_to_float(blk);
+  return d * xr.scale(i) * dot + (QT == 3 ? (half_to_float(blk + 2) + 8.f * d) * xr.sum(i) : 0.f);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+// AVX512-VNNI: two blocks per 64-byte register, one vpdpbusd for both.
+#define QUANT_MATMUL_512 1
+
+// Blocks a and b's 64 weights, a's first: Q4 nibbles as unsigned bytes 0..15 (their centring by -8
+// is the activations' `centre`, the accumulator's starting value); Q8_0 as stored (signed).
+template <int64_t QT>
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  if constexpr (QT == 8) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), 1);
+  } else {
+    constexpr int64_t off = QT == 3 ? 4 : 2;
+    const __m256i raw = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + off))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off)), 1);
+    // 128-bit lanes a, b, a >> 4, b >> 4, reordered to a's weights 0-15, 16-31, then b's
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    return _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+  }
+}
+
+// [d_a, m_a, d_b, m_b] from the blocks' fp16 headers (m = 0 unless Q4_1).
+template <int64_t QT>
+inline __m128 pair_header(const uint8_t* a, const uint8_t* b) {
+  uint32_t ha, hb;
+  std::memcpy(&ha, a, 4);
+  std::memcpy(&hb, b, 4);
+  if constexpr (QT != 3) { ha &= 0xFFFFu; hb &= 0xFFFFu; }
+  return _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(hb), static_cast<int>(ha)));
+}
+
+template <int64_t QT, int64_t MR>
+inline void dot_tile(const uint8_t* row, int64_t nb, const QuantizedRows& xr, int64_t m0, int64_t K, float* out,
+                     int64_t N, int64_t n) {
+  constexpr int64_t bb = kBlockBytes<QT>;
+  const __m512i lane_block = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128 eight_at_m = _mm_set_ps(8.f, 0.f, 8.f, 0.f);
+  __m512 acc[MR];
+  __m128 offset[MR];
+  for (int64_t m = 0; m < MR; ++m) { acc[m] = _mm512_setzero_ps(); offset[m] = _mm_setzero_ps(); }
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const uint8_t* a = row + b * bb;
+    __m128 header = pair_header<QT>(a, a + bb);
+    // Q4_1: w = d (q - 8) + (m + 8 d); lanes [d_a, m_a + 8 d_a, d_b, m_b + 8 d_b]
+    if constexpr (QT == 3) header = _mm_fmadd_ps(_mm_moveldup_ps(header), eight_at_m, header);
+    __m512i wv = load_pair<QT>(a, a + bb);
+    __mmask64 negative = 0;
+    if constexpr (QT == 8) {  // vpdpbusd takes unsigned x signed: |w|, and w's sign moved onto x
+      negative = _mm512_movepi8_mask(wv);
+      wv = _mm512_abs_epi8(wv);
+    }
+    for (int64_t m = 0; m < MR; ++m) {
+      const int64_t at = (m0 + m) * K + b * QK;
+      __m512i xv = _mm512_loadu_si512(xr.q.data() + at);
+      __m512i start;
+      if constexpr (QT == 8) {
+        xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+        start = _mm512_setzero_si512();
+      } else {
+        start = _mm512_loadu_si512(xr.centre.data() + at / 4);
+      }
+      const __m512i dot = _mm512_dpbusd_epi32(start, wv, xv);
+      // [d_a s_a, (m_a + 8 d_a) sum_a, d_b s_b, ...] with the activations' scales s and sums
+      const __m128 scaled = _mm_mul_ps(header, _mm_loadu_ps(xr.info.data() + 2 * ((m0 + m) * nb + b)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(scaled)),
+                               acc[m]);
+      if constexpr (QT == 3) offset[m] = _mm_add_ps(offset[m], scaled);
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m) {
+    float total = _mm512_reduce_add_ps(acc[m]);
+    if constexpr (QT == 3) total += _mm_cvtss_f32(_mm_movehdup_ps(offset[m])) + _mm_cvtss_f32(_mm_shuffle_ps(offset[m], offset[m], 3));
+    if (b < nb) total += block_dot<QT>(row + b * bb, xr, m0 + m, b, K);
+    out[(m0 + m) * N + n] = total;
+  }
+}
+#else
 // Output row n against activation rows [m0, m0 + MR): out[m * N + n]. MR is a compile-time tile so
 // the accumulators stay in registers; two per row (even and odd blocks) hide the FMA latency.
 template <int64_t QT, int64_t MR>
@@ -104,13 +222,14 @@ inline void dot_tile(const uint8_t* row, int64_t nb, const QuantizedRows& xr, in
       const int64_t i = (m0 + m) * (K / QK) + b;
       __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (m0 + m) * K + b * QK));
       xv = _mm256_sign_epi8(xv, wv);
-      acc[b & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_set1_ps(d * xr.scale[i]),
+      acc[b & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_set1_ps(d * xr.scale(i)),
                                       acc[b & 1][m]);
-      if constexpr (QT == 3) offset[m] += offset_w * xr.sum[i];
+      if constexpr (QT == 3) offset[m] += offset_w * xr.sum(i);
     }
   }
   for (int64_t m = 0; m < MR; ++m) out[(m0 + m) * N + n] = hsum8(_mm256_add_ps(acc[0][m], acc[1][m])) + offset[m];
 }
+#endif
 
 // Output rows [n0, n1) against M activation rows: out[m * N + n]; each weight row is loaded from
 // memory once and reused from L1 by every tile of activation rows.
@@ -119,6 +238,7 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64
               int64_t M, int64_t K, float* out, int64_t N) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
+    prefetch_ahead(row, row_bytes);
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) dot_tile<QT, 4>(row, nb, xr, m, K, out, N, n);
     switch (M - m) {
@@ -148,7 +268,7 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64
           for (int j = 0; j < 16; ++j) s += ((qs[j] & 0x0F) - 8) * xq[j] + ((qs[j] >> 4) - 8) * xq[j + 16];
         }
         const int64_t i = m * nb + b;
-        acc += d * xr.scale[i] * s + (QT == 3 ? (half_to_float(blk + 2) + 8.f * d) * xr.sum[i] : 0.f);
+        acc += d * xr.scale(i) * s + (QT == 3 ? (half_to_float(blk + 2) + 8.f * d) * xr.sum(i) : 0.f);
       }
       out[m * N + n] = acc;
     }
@@ -211,7 +331,21 @@ torch::Tensor dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
   return out;
 }
 
+// The integer dot path this build compiled: tests check each one, the engine logs it.
+std::string isa() {
+#if defined(QUANT_MATMUL_512)
+  return "avx512-vnni";
+#elif defined(ECOSERVE_SIMD_INT8) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+  return "avx2-vnni";
+#elif defined(ECOSERVE_SIMD_INT8)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa);
   m.def("quant_linear", &quant_linear);
   m.def("dequantize", &dequantize);
 }

@@ -1,6 +1,9 @@
 """Weight-only quantized layers: GGUF Q4_0 / Q4_1 / Q8_0 blocks against their dequantized reference."""
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,9 +19,9 @@ TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0]
 K, N = 256, 96
 
 
-def _blocks(qtype: GGML, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 blocks [N, row_bytes] as gguf-py quantizes, their float32 dequantization [N, K])."""
-    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)).numpy()
+def _blocks(qtype: GGML, seed: int = 0, k: int = K) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 blocks [N, row_bytes] as gguf-py quantizes, their float32 dequantization [N, k])."""
+    w = torch.randn(N, k, generator=torch.Generator().manual_seed(seed)).numpy()
     blocks = gguf_quantize(w, qtype)
     return torch.from_numpy(blocks), torch.from_numpy(gguf_dequantize(blocks, qtype).astype(np.float32))
 
@@ -31,14 +34,48 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * d).reshape(x.shape)
 
 
-def _q4_1_offsets(blocks: torch.Tensor) -> torch.Tensor:
-    """Each weight's centred block offset m + 8 d (a Q4_1 block: fp16 d, fp16 m, nibbles) as [N, K]."""
-    halves = blocks.reshape(N, K // 32, 20)[..., 0:4].contiguous().view(torch.float16).float()
+def _q4_1_offsets(blocks: torch.Tensor, k: int = K) -> torch.Tensor:
+    """Each weight's centred block offset m + 8 d (a Q4_1 block: fp16 d, fp16 m, nibbles) as [N, k]."""
+    halves = blocks.reshape(N, k // 32, 20)[..., 0:4].contiguous().view(torch.float16).float()
     offset = halves[..., 1:2] + 8 * halves[..., 0:1]
-    return offset.expand(N, K // 32, 32).reshape(N, K)
+    return offset.expand(N, k // 32, 32).reshape(N, k)
 
 
 native = pytest.mark.skipif(quant._native() is None, reason="native quant_matmul kernel not built")
+
+
+@functools.lru_cache(maxsize=None)
+def _build(variant: str):
+    """The kernel as the engine builds it here ("native"), or the same source built without AVX-512
+    ("avx2": what a machine without AVX-512 runs), or None where it cannot be built."""
+    if variant == "native":
+        return quant._native()
+    from ecoserve.kernels import _FAST_MATH, _build_dir, _put_ninja_on_path
+
+    if quant._native() is None:
+        return None
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    source = Path(quant.__file__).parent.parent / "kernels" / "quant_matmul.cpp"
+    try:
+        return load("ecoserve_quant_matmul_avx2", [str(source)], extra_cflags=[*_FAST_MATH, "-mno-avx512f"],
+                    build_directory=str(_build_dir("quant_matmul_avx2")), verbose=False)
+    except Exception:  # a compiler that cannot target AVX2 without AVX-512
+        return None
+
+
+# every integer dot path this machine can run: the native one (AVX512-VNNI on such a CPU) and AVX2
+KERNEL_BUILDS = ["native", pytest.param("avx2", marks=pytest.mark.slow)]
+
+
+def _kernel(variant: str):
+    module = _build(variant)
+    if module is None:
+        pytest.skip(f"{variant} quant_matmul kernel not built")
+    if variant == "avx2":
+        assert module.isa() in ("avx2", "avx2-vnni")
+    return module
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -54,16 +91,29 @@ def test_native_dequantization_equals_gguf_reference(qtype):
     assert torch.equal(quant._native().dequantize(blocks, int(qtype), K), ref)
 
 
-@native
+def test_native_kernel_takes_the_widest_integer_dot_the_cpu_has():
+    from ecoserve.kernels import cpu_flags
+
+    module = _kernel("native")
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        assert module.isa() == "avx512-vnni"
+    elif "avx2" in flags:
+        assert module.isa() in ("avx2", "avx2-vnni")
+
+
+@pytest.mark.parametrize("variant", KERNEL_BUILDS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
-def test_native_matmul_matches_dequantized_reference(qtype, rows):
-    blocks, ref = _blocks(qtype, seed=rows)
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(100 + rows))
-    out = quant._native().quant_linear(x, blocks, int(qtype))
+@pytest.mark.parametrize("rows,k", [(1, K), (3, K), (4, K), (7, K), (16, K), (1, K + 32), (5, K + 32)])
+def test_native_matmul_matches_dequantized_reference(variant, qtype, rows, k):
+    """K + 32 has an odd number of blocks: the 512-bit path's last block takes the 256-bit one."""
+    module = _kernel(variant)
+    blocks, ref = _blocks(qtype, seed=rows, k=k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows))
+    out = module.quant_linear(x, blocks, int(qtype))
     # exact up to float summation order, given the kernel's int8 rounding of the activations (Q4_1's
     # offsets m + 8 d multiply the float activations) ...
-    offsets = _q4_1_offsets(blocks) if qtype == GGML.Q4_1 else torch.zeros_like(ref)
+    offsets = _q4_1_offsets(blocks, k) if qtype == GGML.Q4_1 else torch.zeros_like(ref)
     emulated = _int8_activations(x) @ (ref - offsets).T + x @ offsets.T
     assert (out - emulated).abs().max().item() <= 1e-4 * emulated.abs().max().item()
     # ... and that rounding costs at most 2% of the largest output against float activations
