@@ -10,8 +10,9 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Collection
 
-# --quantization: none (float weights), gguf (a GGUF file's blocks as stored), int8 (Q8_0 of a float checkpoint)
-QUANTIZATIONS = ("none", "gguf", "int8")
+# --quantization: none (float weights), gguf (a GGUF file's blocks as stored), int8 (Q8_0 of a float checkpoint),
+# w8a8 (per-channel int8 weights, per-token int8 activations)
+QUANTIZATIONS = ("none", "gguf", "int8", "w8a8")
 # --cpu-linear: float32 and bfloat16 linears on CPU through torch's F.linear, or oneDNN with prepacked weights;
 # auto (the default) packs them where oneDNN is available and the model is loaded whole in one process
 CPU_LINEARS = ("auto", "torch", "onednn")
@@ -144,7 +145,7 @@ class EngineConfig:
     model: str | None = None  # local dir, hub id or .gguf path; None: the embedded default
     tokenizer: str | None = None
     dtype: str = "auto"  # auto (see model.loader.resolve_dtype) | float32 | bfloat16 | float16
-    quantization: str | None = None  # None/none: float weights | gguf: keep GGUF blocks | int8: Q8_0 weights (CPU)
+    quantization: str | None = None  # None/none: float weights | gguf: keep GGUF blocks | int8: Q8_0 weights | w8a8 (CPU)
     cpu_linear: str = "auto"  # linears on CPU: auto | torch (F.linear) | onednn (prepacked oneDNN weights)
     device: str = "cpu"
     seed: int = 0
@@ -209,8 +210,9 @@ class EngineArgs:
                               "the checkpoint's half dtype")
     quantization: str | None = _option(
         EngineConfig.quantization, "--quantization", choices=QUANTIZATIONS,
-        help="weight-only quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model keeps its "
-             "Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints")
+        help="quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model keeps its "
+             "Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints (small batches, decode); w8a8: int8 "
+             "weights and per-token int8 activations through oneDNN's int8 GEMM (large batches)")
     cpu_linear: str = _option(
         EngineConfig.cpu_linear, "--cpu-linear", choices=CPU_LINEARS,
         help="float32 and bfloat16 linear layers on CPU: oneDNN with prepacked weights (onednn), torch's F.linear "

@@ -331,6 +331,75 @@ torch::Tensor dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
   return out;
 }
 
+// W8A8 (per-token int8 activations, per-output-channel int8 weights; the int8 GEMM between them is
+// oneDNN's, AMX-INT8 / VNNI). These two are the float passes around it, one read of each operand
+// instead of torch's chain of elementwise ops.
+
+// x [M, K] float32 -> (int8 [M, K], float32 [M]): each row rounded to int8 with scale max|x_row| / 127.
+std::vector<torch::Tensor> quantize_per_token(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "quantize_per_token: x must be 2-D float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto scale = torch::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xp + m * K;
+      int8_t* out = qp + m * K;
+      float amax = 0.f;
+      int64_t k = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      __m512 vmax = _mm512_setzero_ps();
+      for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+      amax = _mm512_reduce_max_ps(vmax);
+#endif
+      for (; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      k = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      for (; k + 16 <= K; k += 16)  // cvtps rounds to nearest even, as nearbyint does
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), _mm512_set1_ps(id)))));
+#endif
+      for (; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * id));
+      sp[m] = d;
+    }
+  });
+  return {q, scale};
+}
+
+// out [M, N] float32, in place: out[m, n] * x_scale[m] (+ bias[n]), the per-token scales of an int8
+// GEMM whose per-channel weight scales oneDNN has applied.
+void scale_rows_(torch::Tensor out, torch::Tensor x_scale, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
+              "scale_rows_: out must be a contiguous 2-D float32 tensor");
+  const int64_t M = out.size(0), N = out.size(1);
+  TORCH_CHECK(x_scale.dtype() == torch::kFloat32 && x_scale.numel() == M && x_scale.is_contiguous(),
+              "scale_rows_: x_scale must be contiguous float32 [M]");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
+                "scale_rows_: bias must be contiguous float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  const float* xs = x_scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      float* o = op + m * N;
+      const float s = xs[m];
+      if (bp != nullptr) {
+        for (int64_t n = 0; n < N; ++n) o[n] = o[n] * s + bp[n];
+      } else {
+        for (int64_t n = 0; n < N; ++n) o[n] *= s;
+      }
+    }
+  });
+}
+
 // The integer dot path this build compiled: tests check each one, the engine logs it.
 std::string isa() {
 #if defined(QUANT_MATMUL_512)
@@ -348,4 +417,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa);
   m.def("quant_linear", &quant_linear);
   m.def("dequantize", &dequantize);
+  m.def("quantize_per_token", &quantize_per_token);
+  m.def("scale_rows_", &scale_rows_, py::arg("out"), py::arg("x_scale"), py::arg("bias") = py::none());
 }

@@ -187,13 +187,15 @@ def gguf_file(model: str | None) -> Path | None:
 
 def resolve_quantization(quantization: str | None, dtype: str | torch.dtype, is_gguf: bool, device: str) -> str | None:
     """None or 'none': float weights (the default); 'gguf' keeps a GGUF file's blocks; 'int8' makes Q8_0
-    blocks of a float checkpoint. Quantized weights run on CPU with float32 activations."""
+    blocks of a float checkpoint (weight-only, for memory-bound decode); 'w8a8' makes per-channel int8
+    weights and quantizes activations per token (int8 GEMMs, for compute-bound batches). Quantized
+    weights run on CPU with float32 activations."""
     if quantization in (None, "none"):
         return None
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if quantization == "gguf" and not is_gguf:
-        raise ValueError("--quantization gguf needs a .gguf model; use --quantization int8 for other checkpoints")
+        raise ValueError("--quantization gguf needs a .gguf model; use --quantization int8 or w8a8 for other checkpoints")
     if dtype not in ("auto", "float32", torch.float32) or torch.device(device).type != "cpu":
         raise ValueError(f"quantized weights run on CPU with float32 activations; got dtype {dtype}, device {device}")
     return quantization
@@ -288,6 +290,10 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
         info.model = build_model(spec, info.path, resolved, device)
         if quantization == "int8":
             quantize_linears_int8(info.model)
+        elif quantization == "w8a8":
+            from ecoserve.model.w8a8 import quantize_linears_w8a8
+
+            quantize_linears_w8a8(info.model)
     from ecoserve.model.packed import onednn_available, pack_linears
 
     if cpu_linear == "onednn" and not onednn_available():

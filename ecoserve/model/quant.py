@@ -208,6 +208,8 @@ def describe_weights(model: nn.Module) -> str:
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             kind = QUANT_TYPES[module.ggml_type].name
+        elif type(module).__name__ == "W8A8Linear":
+            kind = "int8 W8A8"
         elif hasattr(module, "packed"):
             kind = "float32 oneDNN-packed"
         elif _is_linear(module) or _is_embedding(module):
