@@ -37,7 +37,7 @@ class LoadedModel:
     max_model_len: int = 0
     name: str = ""  # what the user passed; the served model name
     path: Path = Path()
-    quantization: str | None = None  # "gguf" | "int8" | None (float weights)
+    quantization: str | None = None  # "gguf" | "int8" | "w8a8" | None (float weights)
 
 
 # x86 flags of the instructions that make bfloat16 GEMMs fast (oneDNN uses AMX, else AVX512-BF16)
