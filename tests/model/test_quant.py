@@ -1,9 +1,6 @@
 """Weight-only quantized layers: GGUF Q4_0 / Q4_1 / Q8_0 blocks against their dequantized reference."""
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -44,25 +41,12 @@ def _q4_1_offsets(blocks: torch.Tensor, k: int = K) -> torch.Tensor:
 native = pytest.mark.skipif(quant._native() is None, reason="native quant_matmul kernel not built")
 
 
-@functools.lru_cache(maxsize=None)
 def _build(variant: str):
-    """The kernel as the engine builds it here ("native"), or the same source built without AVX-512
-    ("avx2": what a machine without AVX-512 runs), or None where it cannot be built."""
-    if variant == "native":
-        return quant._native()
-    from ecoserve.kernels import _FAST_MATH, _build_dir, _put_ninja_on_path
+    """The kernel as the engine builds it here ("native"), or the same source built for plain AVX2
+    (`ECOSERVE_KERNEL_ISA=avx2`: what a machine without AVX-512 or VNNI runs), or None where it cannot be built."""
+    from ecoserve.kernels import quant_matmul
 
-    if quant._native() is None:
-        return None
-    from torch.utils.cpp_extension import load
-
-    _put_ninja_on_path()
-    source = Path(quant.__file__).parent.parent / "kernels" / "quant_matmul.cpp"
-    try:
-        return load("ecoserve_quant_matmul_avx2", [str(source)], extra_cflags=[*_FAST_MATH, "-mno-avx512f"],
-                    build_directory=str(_build_dir("quant_matmul_avx2")), verbose=False)
-    except Exception:  # a compiler that cannot target AVX2 without AVX-512
-        return None
+    return quant._native() if variant == "native" else quant_matmul(isa=variant)
 
 
 # every integer dot path this machine can run: the native one (AVX512-VNNI on such a CPU) and AVX2
@@ -74,7 +58,7 @@ def _kernel(variant: str):
     if module is None:
         pytest.skip(f"{variant} quant_matmul kernel not built")
     if variant == "avx2":
-        assert module.isa() in ("avx2", "avx2-vnni")
+        assert module.isa() == "avx2"
     return module
 
 
