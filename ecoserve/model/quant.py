@@ -212,7 +212,7 @@ def describe_weights(model: nn.Module) -> str:
         elif type(module).__name__ == "W8A8Linear":
             kind = "int8 W8A8"
         elif hasattr(module, "packed"):
-            kind = "float32 oneDNN-packed"
+            kind = f"{str(module.packed.dtype).removeprefix('torch.')} oneDNN-packed"
         elif _is_linear(module) or _is_embedding(module):
             kind = str(module.weight.dtype).removeprefix("torch.")
         else:
