@@ -67,6 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--quantization", dest="quantizations", nargs="+", default=["none"], choices=QUANTIZATIONS,
                    help="one run per value, side by side (e.g. --quantization none gguf)")
+    p.add_argument("--dtypes", nargs="+", default=None, metavar="DTYPE",
+                   help="one float-weight run per dtype, side by side (e.g. --dtypes bfloat16 float32); "
+                        "quantized runs keep --dtype")
     p.add_argument("--compare", choices=["llama-cpp"], default=None,
                    help="also run llama.cpp (llama-cpp-python) on the same GGUF file, prompt and threads")
     p.add_argument("--peer-python", default=sys.executable,
@@ -90,16 +93,16 @@ def main(args: argparse.Namespace) -> int:
     if args.compare == "llama-cpp" and gguf_file(args.model) is None:
         raise SystemExit("--compare llama-cpp needs a .gguf model (or the embedded default)")
     engine = EngineArgs.from_cli_args(args)
-    quantizations = [None if q == "none" else q for q in args.quantizations]
+    variants = _variants(engine, args.quantizations, args.dtypes)
     runs: list[dict] = []
-    for quantization in quantizations:
-        startup = measure_startup(dataclasses.replace(engine, quantization=quantization))
-        print(f"ecoserve (quantization {quantization or 'none'}) start-up (process start to ready): {startup:.2f} s")
-        runs.append({"system": f"ecoserve-{quantization or 'float32'}", "startup_s": startup})
+    for name, variant in variants:
+        startup = measure_startup(variant)
+        print(f"{name} start-up (process start to ready): {startup:.2f} s")
+        runs.append({"system": name, "dtype": variant.dtype, "quantization": variant.quantization or "none",
+                     "startup_s": startup})
     for round_ in range(args.repeats):
-        for quantization, run in zip(quantizations, runs):
-            figures = measure_decode(dataclasses.replace(engine, quantization=quantization), args.prompt_len,
-                                     args.output_len, args.profile and round_ == 0)
+        for (_, variant), run in zip(variants, runs):
+            figures = measure_decode(variant, args.prompt_len, args.output_len, args.profile and round_ == 0)
             run.setdefault("rounds", []).append(figures)
             _print_decode(run["system"], figures, args.prompt_len)
             if "profile" in figures:
@@ -121,6 +124,26 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({"model": args.model or "SmolLM2-135M-Instruct (embedded)",
                                                "num_threads": args.num_threads, "runs": runs}, indent=2))
     return 0
+
+
+def _variants(engine: EngineArgs, quantizations: list[str], dtypes: list[str] | None) -> list[tuple[str, EngineArgs]]:
+    """The engines to time: float weights at each of `dtypes` (else at --dtype), then each quantization."""
+    variants = []
+    for quantization in [None if q == "none" else q for q in quantizations]:
+        for dtype in (dtypes or [engine.dtype]) if quantization is None else [engine.dtype]:
+            variant = dataclasses.replace(engine, quantization=quantization, dtype=dtype)
+            variants.append((f"ecoserve-{quantization or _resolved_dtype(variant)}", variant))
+    return variants
+
+
+def _resolved_dtype(engine: EngineArgs) -> str:
+    """What `--dtype` resolves to for this model and machine ('auto' depends on both)."""
+    from ecoserve.model.loader import load_model_info, resolve_dtype
+
+    if engine.dtype != "auto":
+        return engine.dtype
+    spec = load_model_info(engine.model, revision=engine.revision, skip_tokenizer_init=True).spec
+    return str(resolve_dtype("auto", engine.device, spec.torch_dtype, engine.quantization)).removeprefix("torch.")
 
 
 def _print_ratios(runs: list[dict]) -> None:

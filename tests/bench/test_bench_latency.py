@@ -60,6 +60,22 @@ def test_latency_runs_quantizations_and_peer_side_by_side(fake_peer, tmp_path, c
     assert "llama.cpp / ecoserve-gguf: decode tokens/s x" in out and "ecoserve-gguf / ecoserve-float32" in out
 
 
+def test_latency_runs_dtypes_side_by_side(tmp_path, capsys):
+    """--dtypes: one float-weight run per dtype, named by the dtype it ran in; a quantized run keeps --dtype."""
+    model = make_tiny_gguf(make_tiny_checkpoint(tmp_path / "ckpt", "llama"), tmp_path / "q8.gguf", GGML.Q8_0)
+    parser = argparse.ArgumentParser()
+    latency.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["latency", "--model", str(model), "--prompt-len", "6", "--output-len", "8",
+                              "--num-threads", "1", "--quantization", "none", "gguf", "--dtypes", "bfloat16",
+                              "float32", "--json", str(tmp_path / "out.json")])
+    assert latency.main(args) == 0
+    runs = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert [(r["system"], r["dtype"], r["quantization"]) for r in runs] == [
+        ("ecoserve-bfloat16", "bfloat16", "none"), ("ecoserve-float32", "float32", "none"),
+        ("ecoserve-gguf", "auto", "gguf")]
+    assert "ecoserve-float32 / ecoserve-bfloat16: decode tokens/s x" in capsys.readouterr().out
+
+
 def test_compare_needs_a_gguf_model(tmp_path):
     args = argparse.Namespace(model=str(tmp_path), quantization=["none"], compare="llama-cpp")
     with pytest.raises(SystemExit, match="needs a .gguf model"):
