@@ -18,7 +18,8 @@
 // A task is a sequence (or, with few sequences, a run of its kv heads): scores of its query heads
 // against each cached row, softmax, then the weighted sum of V, streaming each K and V row once.
 // The task is memory-bound (a row is Hkv * D elements, a block sits anywhere in the cache), so the
-// next block is prefetched while one is read (and the K pass's last block requests V's first): 8.3 ->
+// next block is prefetched while one is read (the K pass's last block requests V's first, the V
+// pass's last the first K block of the thread's next task; 3-4% on a bf16 cache): 8.3 ->
 // 1.5 ms for 64 sequences of 330 tokens, 12 heads over 4 kv heads of 64 (one core, float32 cache).
 // Where the head dim is a multiple of the SIMD width W (AVX-512 or AVX2) the arithmetic per (token,
 // query head) is kept small: a K row is widened once for its G = Hq / Hkv query heads, each leaving a
@@ -46,6 +47,8 @@ struct Task {
   int64_t nh;            // kv heads of this task (consecutive); its query rows are nh * G
   int64_t ls;            // floats between consecutive query rows' scores (at least L)
   float scale;
+  const C* next_k;       // the first K block (offset to its first kv head) of the task that follows on
+  int64_t next_n;        // this thread, and its rows; nullptr and 0 for the last
 };
 
 // The blocks of a sequence lie anywhere in the cache, so the hardware prefetcher cannot see the next
@@ -141,23 +144,15 @@ constexpr int64_t kAhead = 1;
 
 // Calls fn(rows, t0, n, ahead) for each block of this task's sequence in `cache`: its n rows from token t0
 // on, a row every t.row elements, and the block kAhead further for fn to prefetch; past the last block
-// of `cache` that is a block at the start of `then` (the pass that follows), if given.
+// that is `after`, the first block read next (V's after K's, the next task's K after V's).
 template <typename C, typename Fn>
-inline void for_each_block(const Task<C>& t, const C* cache, const C* then, Fn&& fn) {
+inline void for_each_block(const Task<C>& t, const C* cache, const NextBlock<C>& after, Fn&& fn) {
   const int64_t bytes = t.nh * t.D * static_cast<int64_t>(sizeof(C));
   const int64_t blocks = (t.L + t.bs - 1) / t.bs;
   const auto block = [&](int64_t b) -> NextBlock<C> {
-    if (b >= blocks) {
-      if (!then || b - blocks >= blocks) return {nullptr, 0, t.row, bytes};
-      return {then + t.table[b - blocks] * t.bs * t.row, std::min(t.bs, t.L - (b - blocks) * t.bs), t.row, bytes};
-    }
+    if (b >= blocks) return b == blocks ? after : NextBlock<C>{nullptr, 0, t.row, bytes};
     return {cache + t.table[b] * t.bs * t.row, std::min(t.bs, t.L - b * t.bs), t.row, bytes};
   };
-  // the first pass (the one with a `then`) requests its first kAhead blocks now; the next pass's were
-  // requested by this one's last blocks
-  if (then)
-    for (int64_t b = 0; b < kAhead; ++b)
-      for (int64_t i = 0; i < t.bs; ++i) block(b).prefetch(i);
   for (int64_t b = 0; b < blocks; ++b) fn(block(b).rows, b * t.bs, block(b).n, block(b + kAhead));
 }
 
@@ -239,7 +234,10 @@ void attend_simd(const Task<C>& t, float* scores, float* acc) {
   const vec scale = vset1(t.scale);
   const int64_t rows_q = t.nh * t.G;
   std::vector<float> part(rows_q * W * W);  // W rows' partial vectors per query row, reduced together
-  for_each_block(t, t.k, t.v, [&](const C* rows, int64_t t0, int64_t n, const NextBlock<C>& next) {
+  const int64_t bytes = t.nh * t.D * static_cast<int64_t>(sizeof(C));
+  const NextBlock<C> first_v{t.v + t.table[0] * t.bs * t.row, std::min(t.bs, t.L), t.row, bytes};
+  const NextBlock<C> next_task{t.next_k, t.next_n, t.row, bytes};
+  for_each_block(t, t.k, first_v, [&](const C* rows, int64_t t0, int64_t n, const NextBlock<C>& next) {
     for (int64_t i0 = 0; i0 < n; i0 += W) {
       partial_scores<C, NV>(t, rows + i0 * t.row, std::min<int64_t>(W, n - i0), part.data(), next, i0);
       for (int64_t g = 0; g < rows_q; ++g) {
@@ -252,8 +250,7 @@ void attend_simd(const Task<C>& t, float* scores, float* acc) {
   softmax_rows(scores, t.nh * t.G, t.L, t.ls);
   std::fill(acc, acc + t.nh * t.G * t.D, 0.f);
   constexpr int GR = group_rows<NV>();
-  const C* no_next_pass = nullptr;
-  for_each_block(t, t.v, no_next_pass, [&](const C* rows, int64_t t0, int64_t n, const NextBlock<C>& next) {
+  for_each_block(t, t.v, next_task, [&](const C* rows, int64_t t0, int64_t n, const NextBlock<C>& next) {
     for (int64_t h = 0; h < t.nh; ++h) {
       for (int64_t g = h * t.G; g < (h + 1) * t.G; g += GR) {
         const int gn = static_cast<int>(std::min<int64_t>(GR, (h + 1) * t.G - g));
@@ -336,7 +333,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       }
       // the SIMD scores store whole vectors of W tokens: a row's last may reach W - 1 floats past L
       const int64_t ls = lp[b] + score_pad;
-      const Task<C> task{qf, kp + h0 * D, vp + h0 * D, tp + b * nblk, lp[b], G, D, bs, Hkv * D, nh, ls, scale};
+      // the next task's first K block, for this one to request while its last V block is read
+      const C* next_k = nullptr;
+      int64_t next_n = 0;
+      const int64_t nb = (idx + 1) / splits, nh0 = ((idx + 1) % splits) * per_task;
+      if (idx + 1 < bounds[last] && nh0 < Hkv) {
+        next_k = kp + tp[nb * nblk] * bs * Hkv * D + nh0 * D;
+        next_n = std::min(bs, lp[nb]);
+      }
+      const Task<C> task{qf,    kp + h0 * D, vp + h0 * D, tp + b * nblk, lp[b],  G,     D,
+                         bs,    Hkv * D,     nh,          ls,            scale, next_k, next_n};
       scores.resize(nh * G * ls);
       attend(task, scores.data(), acc.data());
       convert_row(op + first_row, acc.data(), n);
