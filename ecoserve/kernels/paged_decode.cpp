@@ -26,11 +26,13 @@
 // partial vector, and the W partials of a query head's W tokens are summed by one transpose-and-add
 // rather than one horizontal reduction each; V rows are summed per block and kv head with its query
 // heads' accumulators in registers, stored once a block rather than once a token. The exponentials
-// are vectorized; other head dims take plain loops. On a shared Intel Xeon core (best of 3-4 runs,
-// other jobs running): with the K/V in L2 (2 sequences) 0.037-0.039 against 0.044-0.047 ms before
+// are vectorized; other head dims take plain loops. On a shared Intel Xeon core (best of 3 runs,
+// other jobs running): with the K/V in L2 (2 sequences) 0.035-0.038 against 0.043-0.046 ms before
 // these changes; with 64 sequences (22 MB bf16, 43 MB float32, out of the L2) the core's outstanding
-// misses bound it and it gains 5-10%: bf16 cache 1.74-1.81 against 1.91-2.02 ms, float32 2.62-2.66
-// against 2.79-2.81 ms. A prefetch two blocks ahead, or to L2 a block further, measured no faster.
+// misses bound it (the prefetches wait for line fill buffers) and it gains 5-13%: bf16 cache 1.68-1.69
+// against 1.86-1.94 ms, float32 2.59-2.61 against 2.73-2.79 ms; the offline bf16 benchmark's 3144 calls
+// 5.4 against 5.7 s.
+// A prefetch two blocks ahead, or to L2 a block further, measured no faster.
 
 namespace {
 
