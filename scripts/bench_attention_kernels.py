@@ -4,7 +4,8 @@ Decode: `--seqs` sequences of about `--context` cached tokens (lengths spread +-
 each. Prefill: `--prompts` prompts of `--prompt-len` tokens with no cached prefix. Blocks are scattered
 through the cache as the engine's allocator leaves them. Prints one row per path: the median time of
 `--repeats` calls after a warm-up, and for prefill the causal attention GFLOP/s. Pin it to one core
-for the single-core figures: `taskset -c 0 python scripts/bench_attention_kernels.py --threads 1`.
+for the single-core figures: `taskset -c 0 python scripts/bench_attention_kernels.py --threads 1`; `--kernels
+decode` times the decode rows alone (best of several runs on a busy machine: `--runs 5`).
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--kernels", choices=["decode", "prefill", "both"], default="both", help="which kernels to time")
+    ap.add_argument("--runs", type=int, default=1, help="time the chosen kernels this many times over")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     decode, prefill = kernels.paged_decode(args.isa), kernels.paged_prefill(args.isa)
@@ -118,8 +121,11 @@ def main() -> int:
         print("the native kernels could not be built here")
         return 1
     print(f"kernels: {kernels.target_isa(args.isa)} build, CPU {kernels.isa_tag()}")
-    bench_decode(args, decode)
-    bench_prefill(args, prefill)
+    for _ in range(args.runs):
+        if args.kernels in ("decode", "both"):
+            bench_decode(args, decode)
+        if args.kernels in ("prefill", "both"):
+            bench_prefill(args, prefill)
     return 0
 
 

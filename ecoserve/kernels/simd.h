@@ -165,3 +165,37 @@ inline vec vexp_nonpositive(vec x) {
 #endif
 
 }  // namespace ecoserve_simd
+
+#ifdef ECOSERVE_SIMD
+namespace ecoserve_simd {
+// r[0..W) -> one vector whose lane i is the sum of r[i]'s lanes: a transpose-and-add tree (30 shuffles
+// and 15 adds for 16 rows on AVX-512, against 16 full reductions of ~8 dependent steps each).
+#if defined(__AVX512F__)
+__attribute__((always_inline)) inline vec vsum_rows(const vec* r) {
+  vec a[8], b[4], c[2];
+  // pairs of rows: lanes (2i, 2i+1) of a 128-bit lane hold the pair's partial sums
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+  // quads: a 128-bit lane holds its four rows' sums over that lane
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  // then add the 128-bit lanes: b[i]'s four lanes into one, two steps
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#else  // AVX2
+__attribute__((always_inline)) inline vec vsum_rows(const vec* r) {
+  vec a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+#endif
+}  // namespace ecoserve_simd
+#endif

@@ -99,3 +99,20 @@ def test_attention_kernel_benchmark_runs_every_dtype_pair():
     rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith(("native", "sdpa"))]
     assert len([r for r in rows if r[0] == "native"]) == 8 and len([r for r in rows if r[0] == "sdpa"]) == 4
     assert all(float(r[5]) > 0 for r in rows)
+
+
+def test_attention_kernel_benchmark_times_decode_alone_over_several_runs():
+    """`--kernels decode --runs 2`: the decode rows twice, no prefill rows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if kernels.paged_decode() is None:
+        __import__("pytest").skip("no native kernels on this machine")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "scripts" / "bench_attention_kernels.py"), "--seqs", "2",
+                          "--context", "20", "--repeats", "1", "--kernels", "decode", "--runs", "2"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("decode:") == 2 and "prefill:" not in run.stdout
+    assert len([line for line in run.stdout.splitlines() if line.strip().startswith("native")]) == 8

@@ -79,6 +79,36 @@ def test_decode_kernel_dtypes_against_float64(isa, dtypes, head_dim, num_seqs, t
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtypes", [DTYPE_PAIRS["q-bf16-cache-bf16"], DTYPE_PAIRS["q-f32-cache-f32"]],
+                         ids=["q-bf16-cache-bf16", "q-f32-cache-f32"])
+@pytest.mark.parametrize("block_size", [1, 8, 24, 32])
+@pytest.mark.parametrize("heads", [(12, 4), (5, 1), (3, 3), (16, 2)], ids=["gqa3", "gqa5", "mha", "gqa8"])
+def test_decode_kernel_block_sizes_and_groups_against_float64(isa, dtypes, block_size, heads):
+    """Scores are taken a vector width of tokens at a time within a block, and V summed for groups of
+    query rows of one kv head: blocks shorter than the width, longer and not a multiple of it (the last
+    chunk partial), contexts ending mid-chunk, and query rows per kv head that are not a multiple of a
+    register group (5) or are more than one (8)."""
+    kernel = _loaded(kernels.paged_decode, isa)
+    q_dtype, cache_dtype = dtypes
+    hq, hkv = heads
+    head_dim, nblocks = 64, 96
+    torch.manual_seed(block_size * 100 + hq)
+    k_cache, v_cache = (torch.randn(nblocks, block_size, hkv, head_dim).to(cache_dtype) for _ in range(2))
+    lens = torch.tensor([1, 7, 17, 40, 95])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(nblocks)[:width] for _ in lens]).contiguous()
+    q = torch.randn(len(lens), hq, head_dim).to(q_dtype)
+    out = kernel(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    for b in range(len(lens)):
+        n = int(lens[b])
+        k = k_cache[tables[b]].reshape(-1, hkv, head_dim)[:n].transpose(0, 1).double()
+        v = v_cache[tables[b]].reshape(-1, hkv, head_dim)[:n].transpose(0, 1).double()
+        ref = F.scaled_dot_product_attention(q[b].double().unsqueeze(1), k, v, scale=head_dim ** -0.5,
+                                             enable_gqa=True)
+        torch.testing.assert_close(out[b].double(), ref.squeeze(1), **_tolerance(q_dtype))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
 @pytest.mark.parametrize("head_dim", [8, 64, 80, 128])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (8, 1)], ids=["gqa3", "mha", "mqa"])
