@@ -3,6 +3,8 @@ build for one CPU is never loaded on another."""
 import os
 import time
 
+import pytest
+
 from ecoserve import kernels
 
 
@@ -19,7 +21,7 @@ def test_stale_build_lock_is_removed_and_fresh_one_kept(tmp_path, monkeypatch):
 
 
 def test_pip_ninja_is_put_on_path_when_none_is_there(monkeypatch):
-    ninja = __import__("pytest").importorskip("ninja")
+    ninja = pytest.importorskip("ninja")
     monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
     monkeypatch.setenv("PATH", "/nowhere")
     kernels._put_ninja_on_path()
@@ -57,13 +59,12 @@ def test_kernel_isa_comes_from_the_argument_or_the_environment(monkeypatch):
     monkeypatch.setenv(kernels.ISA_ENV, "avx2")
     assert kernels.target_isa() == "avx2" and kernels.target_isa("native") == "native"
     monkeypatch.setenv(kernels.ISA_ENV, "avx9")
-    with __import__("pytest").raises(ValueError, match="avx9"):
+    with pytest.raises(ValueError, match="avx9"):
         kernels.target_isa()
 
 
 def test_lower_isa_build_has_its_own_folder_and_vector_width():
     """The AVX2 build of a kernel on an AVX-512 machine: its own module and folder, 8-float vectors."""
-    pytest = __import__("pytest")
     module = kernels._load("paged_decode", "torch SDPA", isa="avx2")
     if module is None:
         pytest.skip("no AVX2 build on this machine (compiler or CPU)")
@@ -83,36 +84,33 @@ def test_lower_isa_the_cpu_lacks_is_not_built(monkeypatch, tmp_path):
     assert not (tmp_path / "kernels").exists()
 
 
-def test_attention_kernel_benchmark_runs_every_dtype_pair():
-    """scripts/bench_attention_kernels.py, the command the kernel figures come from, on a tiny shape."""
+def _attention_benchmark(*args: str) -> str:
+    """stdout of scripts/bench_attention_kernels.py (the command the kernel figures come from), tiny shapes."""
     import subprocess
     import sys
     from pathlib import Path
 
-    if kernels.paged_prefill() is None:
-        __import__("pytest").skip("no native kernels on this machine")
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, str(root / "scripts" / "bench_attention_kernels.py"), "--seqs", "2",
-                          "--context", "20", "--prompts", "2", "--prompt-len", "16", "--repeats", "1"],
+                          "--context", "20", "--repeats", "1", *args],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stderr
-    rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith(("native", "sdpa"))]
+    return run.stdout
+
+
+def test_attention_kernel_benchmark_runs_every_dtype_pair():
+    if kernels.paged_prefill() is None:
+        pytest.skip("no native kernels on this machine")
+    out = _attention_benchmark("--prompts", "2", "--prompt-len", "16")
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("native", "sdpa"))]
     assert len([r for r in rows if r[0] == "native"]) == 8 and len([r for r in rows if r[0] == "sdpa"]) == 4
     assert all(float(r[5]) > 0 for r in rows)
 
 
 def test_attention_kernel_benchmark_times_decode_alone_over_several_runs():
     """`--kernels decode --runs 2`: the decode rows twice, no prefill rows."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     if kernels.paged_decode() is None:
-        __import__("pytest").skip("no native kernels on this machine")
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, str(root / "scripts" / "bench_attention_kernels.py"), "--seqs", "2",
-                          "--context", "20", "--repeats", "1", "--kernels", "decode", "--runs", "2"],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.count("decode:") == 2 and "prefill:" not in run.stdout
-    assert len([line for line in run.stdout.splitlines() if line.strip().startswith("native")]) == 8
+        pytest.skip("no native kernels on this machine")
+    out = _attention_benchmark("--kernels", "decode", "--runs", "2")
+    assert out.count("decode:") == 2 and "prefill:" not in out
+    assert len([line for line in out.splitlines() if line.strip().startswith("native")]) == 8
