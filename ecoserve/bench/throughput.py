@@ -118,11 +118,6 @@ def _word_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def flops_per_token(config: dict, context: float) -> float:
-    """Matmul FLOPs per computed token, excluding the LM head (counted per sampled token)."""
-    return linear_flops_per_token(config) + attention_flops_per_token(config, context)
-
-
 @dataclass(frozen=True)
 class EngineSetup:
     """One compared configuration of `--configs`, e.g. tp2, pp2@tdpipe, tp1t2 (tN: torch threads per rank)."""
@@ -369,7 +364,9 @@ def main(args: argparse.Namespace) -> int:
                 for r in results}
     if config:
         mean_ctx = sum(len(p) + o / 2 for p, o in zip(wl.prompts, wl.output_lens)) / len(wl.prompts)
-        total = (wl.num_prompt_tokens + wl.num_output_tokens) * flops_per_token(config, mean_ctx / 2) \
+        # matmul FLOPs: linears and attention of every computed token, the LM head of every sampled one
+        per_token = linear_flops_per_token(config) + attention_flops_per_token(config, mean_ctx / 2)
+        total = (wl.num_prompt_tokens + wl.num_output_tokens) * per_token \
             + wl.num_output_tokens * 2 * config["hidden_size"] * config["vocab_size"]
         for r in results:
             r.achieved_gflops = total / r.elapsed_s / 1e9
