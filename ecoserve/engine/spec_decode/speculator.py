@@ -48,9 +48,13 @@ class SpecDecodeCounters:
 
 
 def make_length(config: SpeculativeConfig) -> SpeculationLength:
-    """The configured k, or for "auto" the tuner (a fixed k until one is installed)."""
+    """The configured k, or for "auto" the tuner."""
     k = config.num_speculative_tokens
-    return FixedLength(AUTO_FALLBACK_TOKENS if k == "auto" else k, config.disable_by_batch_size)
+    if k == "auto":
+        from ecoserve.engine.spec_decode.tuner import TunedLength
+
+        return TunedLength()
+    return FixedLength(k, config.disable_by_batch_size)
 
 
 class Speculator:
@@ -59,8 +63,8 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.length = length or make_length(config)
-        self.max_tokens = AUTO_FALLBACK_TOKENS if config.num_speculative_tokens == "auto" else \
-            config.num_speculative_tokens
+        self.max_tokens = getattr(self.length, "max_tokens", AUTO_FALLBACK_TOKENS) \
+            if config.num_speculative_tokens == "auto" else config.num_speculative_tokens
         self.counters = SpecDecodeCounters()
         self.step_times = StepTimes()
         self.acceptance: dict[str, Acceptance] = {}
@@ -76,7 +80,7 @@ class Speculator:
         trim(request_id, proposals): how many of them to keep (a grammar's valid prefix)."""
         self._draft_probs = {}
         batch = len(running)
-        wants: list[tuple[Request, int]] = []
+        queries: list[tuple[Request, LengthQuery]] = []
         for req in running:
             req.spec_token_ids = []
             if len(req.all_token_ids) - req.num_computed_tokens != 1:
@@ -87,10 +91,11 @@ class Speculator:
             acceptance = self.acceptance.get(req.request_id)
             if acceptance is None:
                 acceptance = self.acceptance[req.request_id] = Acceptance()
-            k = self.length.choose(LengthQuery(req.request_id, batch, min(room, self.max_tokens), acceptance,
-                                               self.step_times))
-            if k > 0:
-                wants.append((req, k))
+            queries.append((req, LengthQuery(req.request_id, batch, min(room, self.max_tokens), acceptance,
+                                              self.step_times)))
+        choose_all = getattr(self.length, "choose_all", None)  # a policy that plans the step's decodes together
+        ks = choose_all([q for _, q in queries]) if choose_all else [self.length.choose(q) for _, q in queries]
+        wants = [(req, k) for (req, _), k in zip(queries, ks) if k > 0]
         if not wants:
             return
         batched = getattr(self.proposer, "propose_batch", None)
@@ -131,9 +136,10 @@ class Speculator:
         """Drop the state of requests that left."""
         for rid in request_ids:
             self.acceptance.pop(rid, None)
-        forget = getattr(self.proposer, "forget", None)
-        if forget is not None:
-            forget(request_ids)
+        for part in (self.proposer, self.length):
+            forget = getattr(part, "forget", None)
+            if forget is not None:
+                forget(request_ids)
 
 
 def build_speculator(config, loaded, num_blocks: int) -> Speculator:

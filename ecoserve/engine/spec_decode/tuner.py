@@ -1,16 +1,17 @@
 """The speculation-length tuner behind `num_speculative_tokens: "auto"` (ARCA's idea, our reading).
 
-Each step it picks, per decoding request, how many tokens to propose (`k`, 0 = do not speculate) so
-that the step's expected emitted tokens per second of step time is highest. Pure Python over numbers:
-the engine feeds it the measured step durations by token count (`observe_step`, `observe_draft`) and
-each verification's outcome (`observe_verification`); docs/speculative_decoding.md gives the model.
+Each step it picks, per decoding request, how many tokens to propose (`k`, 0 = do not speculate) so that the
+step's expected useful tokens per second of step time is highest. Pure Python over numbers: the engine's
+measured step time by token count (`length.StepTimes`, kept by the speculator from every step it runs), and each
+request's verifications; docs/speculation_tuner.md gives the model.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ecoserve.cluster.profile import StepTimeTable
+from ecoserve.engine.spec_decode.length import LengthQuery, StepTimes
 
 
 def expected_tokens(k: int, alpha: float) -> float:
@@ -21,57 +22,24 @@ def expected_tokens(k: int, alpha: float) -> float:
     return float(k + 1) if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def _bucket(num_tokens: int) -> int:
-    """Token counts kept apart up to 32, then on a grid of 16 per doubling: bounded memory, exact where k lives."""
-    if num_tokens <= 32:
-        return num_tokens
-    step = 1 << (num_tokens.bit_length() - 5)
-    return (num_tokens + step // 2) // step * step
+def step_seconds(times: StepTimes):
+    """Seconds of a step of n tokens read from the measured ones: linear between token counts, the first measured
+    time below them, along the last two past them (never falling: noise must not make a bigger step look cheaper);
+    None until two token counts were measured."""
+    rows = sorted(times.seconds.items())
+    if len(rows) < 2:
+        return None
+    xs, ys = [n for n, _ in rows], [t for _, t in rows]
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
 
-
-class StepCost:
-    """Seconds of one step by its token count: start-up rows, then a moving average of measured steps.
-
-    Read between and past its rows as `StepTimeTable` reads a profile (one rule for every tokens -> time table).
-    """
-
-    def __init__(self, rows: Iterable[tuple[int, float]] = (), smoothing: float = 0.2) -> None:
-        if not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
-        self.smoothing = smoothing
-        self._seconds: dict[int, float] = {}
-        for n, s in rows:
-            self._set(int(n), float(s))
-        self._table: StepTimeTable | None = None
-
-    def _set(self, n: int, seconds: float) -> None:
-        if n < 1 or not seconds > 0.0:
-            raise ValueError(f"a step cost row needs tokens >= 1 and seconds > 0, got ({n}, {seconds})")
-        self._seconds[_bucket(n)] = seconds
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """One measured step; a token count seen before moves its average toward it."""
-        if num_tokens < 1 or not seconds > 0.0:
-            return  # an empty step or a clock that did not move says nothing about cost
-        key = _bucket(num_tokens)
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else old + self.smoothing * (seconds - old)
-        self._table = None
-
-    @property
-    def known(self) -> bool:
-        return bool(self._seconds)
-
-    @property
-    def rows(self) -> list[tuple[int, float]]:
-        return sorted(self._seconds.items())
-
-    def seconds(self, num_tokens: int) -> float:
-        if not self._seconds:
-            raise ValueError("no step has been measured yet")
-        if self._table is None:
-            self._table = StepTimeTable((n, s * 1e3) for n, s in self._seconds.items())
-        return self._table.ms(num_tokens) * 1e-3
+    def seconds(n: int) -> float:
+        if n <= xs[0]:
+            return ys[0]
+        if n >= xs[-1]:
+            return ys[-1] + slope * (n - xs[-1])
+        i = bisect.bisect_left(xs, n)
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return seconds
 
 
 def plan(alphas: Sequence[float], caps: Sequence[int], step_seconds, base_tokens: int | None = None,
@@ -173,25 +141,17 @@ class TunerStats:
 
 
 class SpeculationTuner:
-    """Chooses k per request each step from the measured step cost and acceptance (see `plan`)."""
+    """Chooses k per request each step from the measured step times and acceptance (see `plan`)."""
 
-    def __init__(self, config: TunerConfig | None = None, step_cost: StepCost | None = None,
-                 draft_cost: StepCost | None = None) -> None:
+    def __init__(self, config: TunerConfig | None = None, step_times: StepTimes | None = None,
+                 draft_times: StepTimes | None = None) -> None:
         self.config = config or TunerConfig()
-        self.step_cost = step_cost or StepCost()
-        self.draft_cost = draft_cost  # None: proposals cost nothing measurable (n-gram lookup)
+        self.step_times = step_times if step_times is not None else StepTimes()
+        self.draft_times = draft_times  # one draft pass by its requests; None: proposals cost nothing (n-gram)
         self.workload = _Acceptance()
         self._requests: dict[str, _Acceptance] = {}
         self._idle: dict[str, int] = {}  # request id -> steps held at k=0 by its acceptance
         self.stats = TunerStats()
-
-    # ---- what the engine measured ------------------------------------------------------------
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.step_cost.observe(num_tokens, seconds)
-
-    def observe_draft(self, num_seqs: int, seconds: float) -> None:
-        if self.draft_cost is not None:
-            self.draft_cost.observe(num_seqs, seconds)
 
     def observe_verification(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         if num_proposed <= 0:
@@ -218,34 +178,41 @@ class SpeculationTuner:
         return prior if r is None else (r.accepted + weight * prior) / (r.trials + weight)
 
     # ---- the choice ------------------------------------------------------------------------------
-    def choose(self, request_ids: Sequence[str], base_tokens: int | None = None,
+    def choose(self, request_ids: Sequence[str], caps: Sequence[int] | None = None, base_tokens: int | None = None,
                max_tokens: int | None = None) -> dict[str, int]:
-        """k for each decoding request of the coming step (`base_tokens`: the step's tokens without proposals)."""
+        """k for each decoding request of the coming step: at most `caps[i]` (default max_k); `base_tokens`: the
+        step's tokens without proposals (default one per request)."""
         if not request_ids:
             return {}
         c = self.config
-        measured = len(self.step_cost.rows)
-        if measured < 2:  # no start-up profile: time a step without proposals, then one with the most
-            return self._count(dict.fromkeys(request_ids, c.max_k if measured else 0))
-        draft = self.draft_cost.seconds if self.draft_cost is not None and self.draft_cost.known else None
+        caps = [min(cap, c.max_k) for cap in caps] if caps is not None else [c.max_k] * len(request_ids)
+        cost = step_seconds(self.step_times)
+        if cost is None:  # nothing measured yet: time a step without proposals, then one with the most
+            return self._count(dict(zip(request_ids, caps if self.step_times.seconds else [0] * len(caps))))
+        draft = step_seconds(self.draft_times) if self.draft_times is not None else None
+        if draft is None and self.draft_times is not None and self.draft_times.seconds:
+            (_, once), = self.draft_times.seconds.items()
+            draft = lambda n: once  # one measured pass: its time for any batch until a second size is seen
         alphas = [self.acceptance(rid) for rid in request_ids]
-        caps = [c.max_k] * len(request_ids)
-        ks = plan(alphas, caps, self.step_cost.seconds, base_tokens, draft, max_tokens, c.min_speedup)
+        ks = plan(alphas, caps, cost, base_tokens, draft, max_tokens, c.min_speedup)
         if not any(ks):
-            return self._count(self._probes(request_ids, caps, base_tokens, draft, max_tokens))
+            return self._count(self._probes(request_ids, caps, cost, base_tokens, draft, max_tokens))
+        for rid, k in zip(request_ids, ks):
+            if k:
+                self._idle.pop(rid, None)
         return self._count(dict(zip(request_ids, ks)))
 
-    def _probes(self, request_ids, caps, base_tokens, draft, max_tokens) -> dict[str, int]:
+    def _probes(self, request_ids, caps, cost, base_tokens, draft, max_tokens) -> dict[str, int]:
         """k=0 for all: a request that would speculate at full acceptance proposes one token every
         `probe_interval` steps, so a request whose text turns repetitive is noticed."""
         ks = dict.fromkeys(request_ids, 0)
-        if not any(plan([1.0] * len(request_ids), caps, self.step_cost.seconds, base_tokens, draft, max_tokens,
+        if not any(plan([1.0] * len(request_ids), caps, cost, base_tokens, draft, max_tokens,
                         self.config.min_speedup)):
             return ks  # the batch alone rules speculation out
-        for rid in request_ids:
+        for rid, cap in zip(request_ids, caps):
             idle = self._idle.get(rid, 0) + 1
             self._idle[rid] = idle
-            if idle >= self.config.probe_interval:
+            if idle >= self.config.probe_interval and cap:
                 ks[rid] = 1
                 self._idle[rid] = 0
         return ks
@@ -255,3 +222,43 @@ class SpeculationTuner:
         for k in ks.values():
             chosen[k] = chosen.get(k, 0) + 1
         return ks
+
+
+class TunedLength:
+    """`num_speculative_tokens: "auto"`: the speculator's length policy, one plan for the step's decodes.
+
+    Reads the speculator's own measurements from the queries: its step times and each request's verification
+    record, whose growth since the request's last query is that verification's outcome."""
+
+    def __init__(self, config: TunerConfig | None = None, draft_times: StepTimes | None = None) -> None:
+        self.tuner = SpeculationTuner(config, draft_times=draft_times)
+        self._seen: dict[str, tuple[int, int, int]] = {}  # request id -> (drafts, draft tokens, accepted) read
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tuner.config.max_k
+
+    def choose(self, query: LengthQuery) -> int:
+        return self.choose_all([query])[0]
+
+    def choose_all(self, queries: Sequence[LengthQuery]) -> list[int]:
+        """k per query, planned together (they share the step)."""
+        if not queries:
+            return []
+        tuner = self.tuner
+        tuner.step_times = queries[0].step_times
+        for q in queries:
+            a = q.acceptance
+            now = (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens)
+            drafts, proposed, accepted = (x - y for x, y in zip(now, self._seen.get(q.request_id, (0, 0, 0))))
+            if drafts:
+                # one verification per step: accepted proposals, then a rejection unless all were accepted
+                tuner.observe_verification(q.request_id, proposed, accepted)
+            self._seen[q.request_id] = now
+        ks = tuner.choose([q.request_id for q in queries], [q.max_tokens for q in queries])
+        return [ks[q.request_id] for q in queries]
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._seen.pop(rid, None)
+            self.tuner.forget(rid)

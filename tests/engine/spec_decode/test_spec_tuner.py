@@ -1,7 +1,9 @@
 """The speculation-length tuner on fake cost tables and acceptance rates, against choices worked out by hand."""
 import pytest
 
-from ecoserve.engine.spec_decode.tuner import SpeculationTuner, StepCost, TunerConfig, expected_tokens, plan
+from ecoserve.engine.spec_decode.length import Acceptance, LengthQuery, StepTimes
+from ecoserve.engine.spec_decode.tuner import (SpeculationTuner, TunedLength, TunerConfig, expected_tokens, plan,
+                                               step_seconds)
 
 
 def ms(f):
@@ -80,21 +82,18 @@ def test_plan_checks_its_input():
     assert plan([], [], ms(lambda n: 1.0)) == []
 
 
-def test_step_cost_rows_and_moving_average():
-    cost = StepCost([(1, 0.010), (9, 0.012)], smoothing=0.5)
-    assert cost.seconds(5) == pytest.approx(0.011)
-    cost.observe(9, 0.016)
-    assert cost.seconds(9) == pytest.approx(0.014)
-    cost.observe(0, 1.0)  # an empty step: ignored
-    cost.observe(3, 0.0)  # a clock that did not move: ignored
-    assert [n for n, _ in cost.rows] == [1, 9]
-    cost.observe(1000, 1.0)  # large counts share buckets (16 per doubling)
-    cost.observe(1005, 1.0)
-    assert [n for n, _ in cost.rows] == [1, 9, 992]
-    with pytest.raises(ValueError, match="seconds > 0"):
-        StepCost([(4, -1.0)])
-    with pytest.raises(ValueError, match="no step has been measured"):
-        StepCost().seconds(3)
+def times(rows):
+    return StepTimes(seconds=dict(rows))
+
+
+def test_step_seconds_reads_the_measured_rows():
+    assert step_seconds(times([])) is None and step_seconds(times([(4, 0.01)])) is None
+    read = step_seconds(times([(1, 0.010), (9, 0.012), (17, 0.020)]))
+    assert read(5) == pytest.approx(0.011)
+    assert read(1) == read(0) == 0.010  # below the first row: its time
+    assert read(25) == pytest.approx(0.028)  # past the last: along the last two rows
+    falling = step_seconds(times([(1, 0.010), (9, 0.008)]))
+    assert falling(50) == 0.008  # noise never makes a bigger step cheaper
 
 
 def test_acceptance_estimates():
@@ -115,17 +114,18 @@ def test_acceptance_estimates():
 def test_tuner_measures_then_plans():
     tuner = SpeculationTuner(TunerConfig(max_k=4, prior_acceptance=0.8))
     assert tuner.choose(["a"]) == {"a": 0}  # nothing measured: a plain step first
-    tuner.observe_step(1, 0.010)
+    tuner.step_times.add(1, 0.010)
     assert tuner.choose(["a"]) == {"a": 4}  # then one with the most proposals
-    tuner.observe_step(5, 0.010)
+    tuner.step_times.add(5, 0.010)
     assert tuner.choose(["a"]) == {"a": 4}  # flat cost, alpha .8: speculate fully
-    assert tuner.stats.chosen == {0: 1, 4: 2}
-    assert tuner.stats.mean_k() == pytest.approx(8 / 3)
+    assert tuner.choose(["a", "b"], caps=[2, 0]) == {"a": 2, "b": 0}  # no more than a request may propose
+    assert tuner.stats.chosen == {0: 2, 4: 2, 2: 1}
+    assert tuner.stats.mean_k() == pytest.approx(10 / 5)
 
 
 def test_tuner_backs_off_and_probes():
     config = TunerConfig(max_k=4, prior_acceptance=0.9, probe_interval=3)
-    tuner = SpeculationTuner(config, StepCost([(1, 0.010), (5, 0.018)]))  # 2 ms per extra token
+    tuner = SpeculationTuner(config, times([(1, 0.010), (5, 0.018)]))  # 2 ms per extra token
     assert tuner.choose(["a"])["a"] > 0
     for _ in range(20):
         tuner.observe_verification("a", 4, 0)
@@ -134,18 +134,39 @@ def test_tuner_backs_off_and_probes():
 
 
 def test_tuner_no_probes_when_the_batch_rules_speculation_out():
-    tuner = SpeculationTuner(TunerConfig(max_k=4, probe_interval=1), StepCost([(1, 0.001), (64, 0.064)]))
+    tuner = SpeculationTuner(TunerConfig(max_k=4, probe_interval=1), times([(1, 0.001), (64, 0.064)]))
     assert set(tuner.choose([f"r{i}" for i in range(16)]).values()) == {0}
 
 
 def test_tuner_uses_the_draft_cost():
+    draft = times([(1, 0.003)])
     tuner = SpeculationTuner(TunerConfig(max_k=8, prior_acceptance=0.5, min_speedup=1.0),
-                             StepCost([(1, 0.010), (9, 0.010)]), draft_cost=StepCost([(1, 0.003)]))
+                             times([(1, 0.010), (9, 0.010)]), draft_times=draft)
     assert tuner.choose(["a"]) == {"a": 1}  # as test_draft_cost
-    tuner.observe_draft(1, 0.0005)  # the draft got cheap: moving average .003 -> .0025
-    tuner.draft_cost.smoothing = 1.0
-    tuner.observe_draft(1, 0.0005)
+    draft.seconds[1] = 0.0005  # the draft got cheap
     assert tuner.choose(["a"])["a"] > 1
+
+
+def test_tuned_length_reads_the_speculators_records():
+    """The engine's policy for "auto": acceptance from the growth of each request's record, one plan per step."""
+    length = TunedLength(TunerConfig(max_k=4, prior_acceptance=0.5, prior_weight=1.0, workload_decay=1.0))
+    step = times([(1, 0.010), (5, 0.010)])  # flat: speculate whatever the rate
+    a, b = Acceptance(), Acceptance()
+    query = lambda rid, acc, cap=4: LengthQuery(rid, 2, cap, acc, step)
+    assert length.choose_all([query("a", a), query("b", b, cap=2)]) == [4, 2]
+    a.add(4, 4)  # all four accepted: four trials, four successes
+    b.add(2, 0)  # rejected at once: one trial
+    length.choose_all([query("a", a), query("b", b)])
+    tuner = length.tuner
+    # workload (4 + 0.5) / (5 + 1) = .75; a: (4 + .75) / (4 + 1) = .95; b: (0 + .75) / (1 + 1) = .375
+    assert tuner.workload_acceptance() == pytest.approx(0.75)
+    assert tuner.acceptance("a") == pytest.approx(0.95)
+    assert tuner.acceptance("b") == pytest.approx(0.375)
+    length.choose_all([query("a", a)])  # no new verification: nothing counted twice
+    assert tuner.acceptance("a") == pytest.approx(0.95)
+    length.forget(["a"])
+    assert tuner.acceptance("a") == pytest.approx(0.75)
+    assert length.choose(query("c", Acceptance())) == 4 and length.max_tokens == 4
 
 
 def test_config_checks():
