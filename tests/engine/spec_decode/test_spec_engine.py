@@ -199,3 +199,4 @@ def test_what_speculation_cannot_run_is_refused(paths):
     other = make_tiny_checkpoint(paths["draft"] + "-vocab", "llama", num_layers=1, vocab_size=600)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(paths["target"], speculative_config={"method": "draft_model", "model": str(other)}, **COMMON)
+
