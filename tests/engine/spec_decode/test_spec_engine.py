@@ -163,15 +163,32 @@ def test_mixed_batch_gives_each_request_its_alone_output(paths, base):
 
 def test_structured_outputs_never_break_the_grammar(paths, base):
     llm = LLM(paths["target"], speculative_config=dict(NGRAM, num_speculative_tokens=4), **COMMON)
-    regex = r"(ab|cd){2,5}-[0-9]{2}"
+    regex = r"(ab|cd|the ){2,8}-[0-9]{2}"
     spec = StructuredOutputsParams(regex=regex)
+    # prompts full of text the grammar takes, so prompt lookup proposes tokens it must check position by position
+    texts = ["abcdab-12 the the abcd-34 cdab-56 the ab", "the cd the ab-78 cdcd-90 the"] * 4
+    ps = [{"prompt": t} for t in texts]
     sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured_outputs=spec) for s in range(8)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(8, seed=3)], sampled, use_tqdm=False)
+    outs = llm.generate(ps, sampled, use_tqdm=False)
     assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+    assert llm.llm_engine.speculator.counters.num_draft_tokens > 0
     greedy = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
-    ps = [{"prompt_token_ids": p} for p in prompts(4, seed=4)]
-    want = [o.outputs[0].text for o in base.generate(ps, greedy, use_tqdm=False)]
-    assert [o.outputs[0].text for o in llm.generate(ps, greedy, use_tqdm=False)] == want
+    want = [o.outputs[0].text for o in base.generate(ps[:2], greedy, use_tqdm=False)]
+    assert [o.outputs[0].text for o in llm.generate(ps[:2], greedy, use_tqdm=False)] == want
+    assert all(re.fullmatch(regex, t) for t in want)
+
+
+def test_draft_model_sampling_is_seeded_and_counted(paths):
+    config = {"method": "draft_model", "model": paths["self_draft"], "quantization": "gguf",
+              "num_speculative_tokens": 3}
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=24, ignore_eos=True) for s in range(4)]
+    runs = []
+    for _ in range(2):
+        llm = LLM(paths["target"], speculative_config=config, **COMMON)
+        runs.append(generate(llm, workload()[:4], params))
+        counters = llm.llm_engine.speculator.counters
+        assert counters.num_accepted_tokens > counters.num_drafts // 4  # a Q8_0 copy agrees with its target
+    assert runs[0] == runs[1] and all(len(t) == 24 for t in runs[0])
 
 
 def test_counters_reach_metrics(ngram):
