@@ -329,11 +329,16 @@ class EngineArgs:
     startup_timeout_s: float = _option(_PAR.startup_timeout_s, "--startup-timeout", type=float,
                                        help="seconds the ranks of a parallel instance may take to load their shards")
 
-    speculative_config: SpeculativeConfig | dict | str | None = _option(
+    # JSON; LLM(speculative_config={...}) and SpeculativeConfig instances are kept as their JSON (see __post_init__)
+    speculative_config: str | None = _option(
         None, "--speculative-config", type=str,
         help='speculative decoding, as JSON with vLLM\'s keys, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
              '"prompt_lookup_max": 3} or {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 4, '
              '"quantization": "gguf"}; num_speculative_tokens "auto" lets the tuner pick (default: none)')
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, (dict, SpeculativeConfig)):
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config).to_json()
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
@@ -383,8 +388,6 @@ class EngineArgs:
                 raise ValueError(f"{flag} cannot set {name} to None (its default is {f.default!r})")
             elif isinstance(value, (tuple, list)):
                 out += [flag, ",".join(str(v) for v in value)]
-            elif isinstance(value, (dict, SpeculativeConfig)):  # --speculative-config takes JSON
-                out += [flag, SpeculativeConfig.parse(value).to_json()]
             else:
                 out += [flag, str(value)]
         return out

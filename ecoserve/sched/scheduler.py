@@ -174,7 +174,10 @@ class Scheduler:
                 n += spec
             owned = owned_blocks(req.request_id)
             if owned is None or req.num_computed_tokens + n > len(owned) * block_size:  # else it fits its blocks
-                if not self._make_room(req, n, step):
+                if spec and not kv.allocate_slots(req, n):  # proposals never preempt: without room they wait
+                    n -= spec
+                    spec = 0
+                if not spec and not self._make_room(req, n, step):
                     continue
             add(req, n, spec)
             if caching:  # proposals are not tokens of the request yet: only its own ones are indexed
