@@ -7,6 +7,7 @@ tokens (vLLM's spec_decode_* counters) and feeds the measured step time back to 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -100,7 +101,11 @@ class Speculator:
             return
         batched = getattr(self.proposer, "propose_batch", None)
         if batched is not None:
+            started = time.perf_counter()
             proposals = batched(wants)
+            observe = getattr(self.length, "observe_draft", None)  # the tuner weighs the draft's cost
+            if observe is not None:
+                observe(len(wants), max(k for _, k in wants), time.perf_counter() - started)
         else:
             proposals = [(self.proposer.propose(req, k), None) for req, k in wants]
         for (req, _), (tokens, probs) in zip(wants, proposals):

@@ -230,8 +230,9 @@ class TunedLength:
     Reads the speculator's own measurements from the queries: its step times and each request's verification
     record, whose growth since the request's last query is that verification's outcome."""
 
-    def __init__(self, config: TunerConfig | None = None, draft_times: StepTimes | None = None) -> None:
-        self.tuner = SpeculationTuner(config, draft_times=draft_times)
+    def __init__(self, config: TunerConfig | None = None) -> None:
+        # draft passes are timed only where a draft model proposes (observe_draft); n-gram lookups leave it empty
+        self.tuner = SpeculationTuner(config, draft_times=StepTimes())
         self._seen: dict[str, tuple[int, int, int]] = {}  # request id -> (drafts, draft tokens, accepted) read
 
     @property
@@ -257,6 +258,11 @@ class TunedLength:
             self._seen[q.request_id] = now
         ks = tuner.choose([q.request_id for q in queries], [q.max_tokens for q in queries])
         return [ks[q.request_id] for q in queries]
+
+    def observe_draft(self, num_seqs: int, num_passes: int, seconds: float) -> None:
+        """The draft model proposed up to `num_passes` tokens for `num_seqs` requests in `seconds`."""
+        if num_passes > 0 and seconds > 0:
+            self.tuner.draft_times.add(num_seqs, seconds / num_passes)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:

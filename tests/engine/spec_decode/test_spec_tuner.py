@@ -167,6 +167,9 @@ def test_tuned_length_reads_the_speculators_records():
     length.forget(["a"])
     assert tuner.acceptance("a") == pytest.approx(0.75)
     assert length.choose(query("c", Acceptance())) == 4 and length.max_tokens == 4
+    length.observe_draft(1, 4, 0.040)  # a draft pass costs as much as the target's step: no proposal pays
+    assert tuner.draft_times.seconds == {1: 0.010}
+    assert length.choose(query("c", Acceptance())) == 0
 
 
 def test_config_checks():
