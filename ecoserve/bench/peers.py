@@ -24,12 +24,12 @@ import json, sys, time
 from llama_cpp import Llama
 path, threads, out_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 prompt, lookup = json.loads(sys.argv[4]), int(sys.argv[5])
-draft = None
+draft = {}
 if lookup:  # its prompt-lookup decoding: up to `lookup` tokens proposed per step
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+    draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)}
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + out_len + 16,
-            seed=0, verbose=False, draft_model=draft)
+            seed=0, verbose=False, **draft)
 never_eos = {llm.token_eos(): -1e9}  # as ignore_eos: always decode out_len tokens
 list(llm.create_completion(prompt, max_tokens=4, temperature=0.0, logit_bias=never_eos, stream=True))  # warm-up
 llm.reset()  # no prompt-prefix reuse from the warm-up
