@@ -252,3 +252,15 @@ def test_engine_samples_follow_the_target_distribution(tmp_path, method):
             counts[tokens[1]] += 1
     assert counts.sum() > 300 and llm.llm_engine.speculator.counters.num_accepted_tokens > 0
     assert chi_square_p(counts, target_p / target_p.sum()) > 1e-3
+
+
+def test_n_samples_each_speculate_as_their_own_request(ngram):
+    from ecoserve.engine.llm_engine import sample_seed
+
+    prompt = {"prompt_token_ids": workload()[0]}
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    together = ngram.generate([prompt], params, use_tqdm=False)[0].outputs
+    alone = [ngram.generate([prompt], params.clone(n=1, seed=sample_seed(5, i)), use_tqdm=False)[0].outputs[0]
+             for i in range(3)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == 20 for o in together)
