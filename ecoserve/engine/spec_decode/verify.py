@@ -38,14 +38,21 @@ def position_rows(request: Request, proposals: list[int], generator: torch.Gener
     return rows
 
 
-def _uniforms(rows: list[SamplingRow], count: int, device: torch.device) -> list[float]:
-    """`count` U(0, 1) draws; a seeded row's draw at each position comes from (seed, position) alone."""
+_FINAL_SALT = 0x0F1A_7E57  # a seeded request's last draw of a step comes from its own stream
+
+
+def _uniforms(rows: list[SamplingRow], device: torch.device, salt: int = 0) -> list[float]:
+    """One U(0, 1) draw per row. A seeded row's draw comes from (seed, salt, its position) alone: each position's
+    acceptance test and its final draw use different streams, and a position decided in one step is never
+    verified again, so no draw decides two tokens."""
+    if not rows:
+        return []
     gen = rows[0].generator
     if gen is None:
-        return torch.rand(count, device=device).tolist()
+        return torch.rand(len(rows), device=device).tolist()
     out = []
-    for i in range(count):
-        gen.manual_seed(draw_seed(rows[0].params.seed or 0, rows[min(i, len(rows) - 1)].position))
+    for row in rows:
+        gen.manual_seed(draw_seed((row.params.seed or 0) ^ salt, row.position))
         out.append(float(torch.rand(1, generator=gen, device=device)))
     return out
 
@@ -94,7 +101,7 @@ def verify(logits: torch.Tensor, proposals: list[int], draft_probs: torch.Tensor
         tokens = proposals[:accepted] + [best[accepted]]
     else:
         probs = target_probs(processed, rows)
-        u = _uniforms(rows, k + 1, logits.device)
+        u = _uniforms(rows[:k], logits.device)
         accepted, tokens = 0, []
         while accepted < k:
             d = proposals[accepted]
@@ -111,10 +118,10 @@ def verify(logits: torch.Tensor, proposals: list[int], draft_probs: torch.Tensor
                 residual = (residual - draft_probs[accepted].to(residual.dtype)).clamp_min_(0.0)
             if float(residual.sum()) <= 0.0:  # p == q up to rounding: the target's own row is the residual
                 residual = probs[accepted]
-            tokens.append(_draw(residual, u[k]))
+            tokens.append(_draw(residual, _uniforms(rows[accepted:accepted + 1], logits.device, _FINAL_SALT)[0]))
             break
         else:
-            tokens.append(_draw(probs[k], u[k]))
+            tokens.append(_draw(probs[k], _uniforms(rows[k:], logits.device, _FINAL_SALT)[0]))
     verified = Verified(tokens, accepted)
     if params.logprobs is not None:
         n = len(tokens)

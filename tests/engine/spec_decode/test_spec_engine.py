@@ -1,9 +1,11 @@
 """Speculative decoding through the engine: greedy outputs equal non-speculative ones token for token (ngram,
 a random draft model, the GGUF self-draft), whatever stops them, with prefix caching and preemption; requests
 with and without proposals share steps; grammars hold; the counters count."""
+import math
 import re
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 
 from ecoserve import LLM, SamplingParams
@@ -217,3 +219,48 @@ def test_what_speculation_cannot_run_is_refused(paths):
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(paths["target"], speculative_config={"method": "draft_model", "model": str(other)}, **COMMON)
 
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_engine_samples_follow_the_target_distribution(tmp_path, method):
+    """Through the whole engine (batched verification, KV roll-back): with a 16-token vocabulary, the token after
+    the likeliest first one follows the target's probabilities (Pearson's test; a wrong rule fails it, see
+    test_spec_verify.py)."""
+    from tests.engine.spec_decode.test_spec_verify import chi_square_p
+
+    vocab = 16
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", vocab_size=vocab, initializer_range=0.05)
+    draft = make_tiny_checkpoint(tmp_path / "d", "llama", num_layers=1, vocab_size=vocab, seed=3,
+                                 initializer_range=0.05)
+    options = dict(COMMON, skip_tokenizer_init=True, max_num_seqs=256, num_gpu_blocks=2048)
+    config = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(draft),
+                                              "num_speculative_tokens": 3}
+    prompt = list(range(vocab)) + [3, 4, 5]  # every token occurs: lookup proposes after any first token
+    base = LLM(str(target), **options)
+    first = base.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, logprobs=vocab),
+                          use_tqdm=False)[0].outputs[0].logprobs[0]
+    mode = max(first, key=first.get)
+    nxt = base.generate([{"prompt_token_ids": prompt + [mode]}], SamplingParams(max_tokens=1, logprobs=vocab),
+                        use_tqdm=False)[0].outputs[0].logprobs[0]
+    target_p = torch.tensor([math.exp(nxt[t]) for t in range(vocab)], dtype=torch.float64)
+    llm = LLM(str(target), speculative_config=config, **options)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(3000)]
+    outs = generate(llm, [prompt] * len(params), params)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for tokens in outs:
+        if tokens[0] == mode:
+            counts[tokens[1]] += 1
+    assert counts.sum() > 300 and llm.llm_engine.speculator.counters.num_accepted_tokens > 0
+    assert chi_square_p(counts, target_p / target_p.sum()) > 1e-3
+
+
+def test_n_samples_each_speculate_as_their_own_request(ngram):
+    from ecoserve.engine.llm_engine import sample_seed
+
+    prompt = {"prompt_token_ids": workload()[0]}
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    together = ngram.generate([prompt], params, use_tqdm=False)[0].outputs
+    alone = [ngram.generate([prompt], params.clone(n=1, seed=sample_seed(5, i)), use_tqdm=False)[0].outputs[0]
+             for i in range(3)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == 20 for o in together)
