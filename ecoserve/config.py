@@ -138,6 +138,69 @@ class StructuredOutputsConfig:
         _need(self.cache_size >= 1, f"grammar cache size must be >= 1, got {self.cache_size}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON keys): who proposes tokens and how many the target verifies per step.
+
+    `ngram` looks the request's newest `prompt_lookup_max`..`prompt_lookup_min` tokens up in its own prompt and
+    output; `draft_model` runs `model` (same tokenizer; `quantization` gguf of the target's own GGUF is a
+    self-draft) in this process with its own KV cache. `num_speculative_tokens` "auto": the tuner picks k per
+    step. No speculation once more than `disable_by_batch_size` requests run (None: never off for size).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | str = 3
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    quantization: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _need(self.method in SPECULATIVE_METHODS,
+              f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
+        k = self.num_speculative_tokens
+        _need(k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1),
+              f"num_speculative_tokens must be an integer >= 1 or \"auto\", got {k!r}")
+        _need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+              f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        _need(self.method != "draft_model" or self.model, "speculative_config method draft_model needs a model")
+        _need(self.method == "draft_model" or self.model is None,
+              f"speculative_config model is for method draft_model, not {self.method!r}")
+        _need(self.quantization is None or self.quantization in QUANTIZATIONS,
+              f"speculative_config quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        _need(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+              f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From `LLM(speculative_config={...})`, the JSON of `--speculative-config`, or an instance; None: none."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config must be a JSON object: {e}") from None
+        _need(isinstance(value, dict), f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _need(not unknown, f"unknown speculative_config key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)
+                           if getattr(self, f.name) != f.default or f.name == "method"})
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` / `ecoserve serve` accept."""
@@ -156,6 +219,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
@@ -265,6 +329,17 @@ class EngineArgs:
     startup_timeout_s: float = _option(_PAR.startup_timeout_s, "--startup-timeout", type=float,
                                        help="seconds the ranks of a parallel instance may take to load their shards")
 
+    # JSON; LLM(speculative_config={...}) and SpeculativeConfig instances are kept as their JSON (see __post_init__)
+    speculative_config: str | None = _option(
+        None, "--speculative-config", type=str,
+        help='speculative decoding, as JSON with vLLM\'s keys, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
+             '"prompt_lookup_max": 3} or {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 4, '
+             '"quantization": "gguf"}; num_speculative_tokens "auto" lets the tuner pick (default: none)')
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, (dict, SpeculativeConfig)):
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config).to_json()
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
         """Add a flag for each field; a command that gives one its own meaning lists it in `skip`."""
@@ -341,4 +416,5 @@ class EngineArgs:
                                     max_concurrent_batches=self.max_concurrent_batches,
                                     step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s),
             structured_outputs=StructuredOutputsConfig(compile_timeout_s=self.grammar_compile_timeout_s,
-                                                       cache_size=self.grammar_cache_size))
+                                                       cache_size=self.grammar_cache_size),
+            speculative=SpeculativeConfig.parse(self.speculative_config))

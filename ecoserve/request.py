@@ -57,6 +57,8 @@ class Request:
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # speculative decoding: this step's proposed next tokens, never part of all_token_ids until accepted
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

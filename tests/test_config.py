@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from ecoserve.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig
+from ecoserve.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig, SpeculativeConfig
 from ecoserve.engine.llm import LLM
 
 FIELDS = dataclasses.fields(EngineArgs)
@@ -18,6 +18,8 @@ def non_default(f: dataclasses.Field) -> typing.Any:
     """A value of field `f` other than its default, read from its type and flag."""
     if isinstance(f.default, bool):
         return not f.default
+    if f.name == "speculative_config":
+        return '{"method": "ngram", "num_speculative_tokens": 2}'
     choices = f.metadata["flag"].choices
     if choices:
         return next(c for c in choices if c != f.default)
@@ -69,8 +71,10 @@ def test_every_field_reaches_the_typed_config():
     flat = {k: v for k, v in vars(config).items() if not dataclasses.is_dataclass(v)}
     for part in (config.cache, config.scheduler, config.parallel, config.structured_outputs):
         flat.update(vars(part))
+    assert config.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     for f in FIELDS:
-        assert flat[RENAMED.get(f.name, f.name)] == getattr(args, f.name), f.name
+        if f.name != "speculative_config":
+            assert flat[RENAMED.get(f.name, f.name)] == getattr(args, f.name), f.name
 
 
 def test_flat_kwargs_land_in_the_right_config():

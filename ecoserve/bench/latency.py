@@ -47,17 +47,20 @@ def measure_decode(engine: EngineArgs, prompt_len: int, output_len: int, profile
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     t0, cpu0 = time.perf_counter(), time.process_time()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
-    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    m = out.metrics
-    ttft = m.first_token_time - m.arrival_time
-    decode_s = m.last_token_time - m.first_token_time
-    figures = {"ttft_s": ttft, "decode_tokens_per_s": (output_len - 1) / decode_s, "e2e_s": elapsed,
-               "tpot_ms": 1000 * decode_s / (output_len - 1), "cpu_ms_per_token": 1000 * cpu / output_len}
+    figures = decode_figures(out, time.perf_counter() - t0, time.process_time() - cpu0)
     if profile:
         from ecoserve.bench.profile import report
 
         figures["profile"] = report(lambda: llm.generate([prompt], params, use_tqdm=False), output_len, "token")
     return figures
+
+
+def decode_figures(out, elapsed_s: float, cpu_s: float) -> dict:
+    """One request's batch-1 figures from its output's timestamps (decode: first token to last)."""
+    m, n = out.metrics, len(out.outputs[0].token_ids)
+    decode_s = m.last_token_time - m.first_token_time
+    return {"ttft_s": m.first_token_time - m.arrival_time, "decode_tokens_per_s": (n - 1) / decode_s,
+            "e2e_s": elapsed_s, "tpot_ms": 1000 * decode_s / (n - 1), "cpu_ms_per_token": 1000 * cpu_s / n}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -2,7 +2,8 @@
 its own virtual environment: `--peer-python`) and timed the way we time ourselves.
 
 llama.cpp (`ecoserve bench latency --compare llama-cpp`): the same GGUF file, prompt token ids,
-greedy decode and thread count, through llama-cpp-python.
+greedy decode and thread count, through llama-cpp-python; with its prompt-lookup decoding for
+scripts/bench_spec_decode.py.
 
 vLLM's CPU build (`ecoserve bench throughput --compare vllm`): the same requests (token ids,
 output lengths, greedy, ignore_eos), scheduler limits and dtype (the one our run resolved, passed
@@ -22,9 +23,13 @@ _LLAMA_CPP_SCRIPT = r"""
 import json, sys, time
 from llama_cpp import Llama
 path, threads, out_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-prompt = json.loads(sys.argv[4])
+prompt, lookup = json.loads(sys.argv[4]), int(sys.argv[5])
+draft = {}
+if lookup:  # its prompt-lookup decoding: up to `lookup` tokens proposed per step
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)}
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + out_len + 16,
-            seed=0, verbose=False)
+            seed=0, verbose=False, **draft)
 never_eos = {llm.token_eos(): -1e9}  # as ignore_eos: always decode out_len tokens
 list(llm.create_completion(prompt, max_tokens=4, temperature=0.0, logit_bias=never_eos, stream=True))  # warm-up
 llm.reset()  # no prompt-prefix reuse from the warm-up
@@ -74,10 +79,12 @@ def _run(peer: str, python: str, script: str, argv: list[str], timeout_s: float,
 
 
 def llama_cpp_decode(python: str, gguf_path: Path, prompt_ids: list[int], output_len: int, num_threads: int,
-                     timeout_s: float = 600) -> dict:
-    """llama.cpp's batch-1 greedy decode figures (same keys as ours) on `gguf_path`."""
+                     timeout_s: float = 600, prompt_lookup: int = 0) -> dict:
+    """llama.cpp's batch-1 greedy decode figures (same keys as ours) on `gguf_path`; `prompt_lookup` > 0: with
+    llama-cpp-python's prompt-lookup decoding (`LlamaPromptLookupDecoding`) proposing that many tokens."""
     return _run("llama-cpp-python", python, _LLAMA_CPP_SCRIPT,
-                [str(gguf_path), str(num_threads), str(output_len), json.dumps(prompt_ids)], timeout_s)
+                [str(gguf_path), str(num_threads), str(output_len), json.dumps(prompt_ids), str(prompt_lookup)],
+                timeout_s)
 
 
 def vllm_generate(python: str, model_dir: Path, prompts: list[list[int]], output_lens: list[int], num_threads: int,

@@ -399,3 +399,21 @@ class SchedulerCollector:
             c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             c.add_metric(label, value)
             yield c
+        if self.engine.speculator is not None:
+            yield from self._spec_decode(self.engine.speculator.counters, label)
+
+    def _spec_decode(self, counters, label):
+        """vLLM's speculative decoding counters."""
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Decode steps that verified proposals.", counters.num_drafts),
+                ("spec_decode_num_draft_tokens", "Proposed tokens verified.", counters.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", counters.num_accepted_tokens)):
+            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            yield c
+        c = CounterMetricFamily(self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                "Proposed tokens accepted, by position in the proposal.",
+                                labels=["model_name", "position"])
+        for position, value in enumerate(counters.accepted_per_pos):
+            c.add_metric(label + [str(position)], value)
+        yield c

@@ -146,6 +146,19 @@ class GrammarMasks:
 
     request_ids: tuple[str, ...]
     bitmask: np.ndarray  # [rows, ceil(vocab / 32)] int32; bit j of word w allows token 32 * w + j
+    # speculative decoding: a request with proposals has one row per verified position instead (same words)
+    spec_rows: dict[str, np.ndarray] | None = None
+
+    def allowed_rows(self, request_id: str, vocab: int) -> torch.Tensor | None:
+        """[positions, vocab] True where the grammar allows a token, at each verified position of `request_id`'s
+        proposals (None: the request is not constrained)."""
+        words = None if self.spec_rows is None else self.spec_rows.get(request_id)
+        if words is None:
+            return None
+        allowed = ((torch.from_numpy(words).unsqueeze(-1) >> _BITS) & 1).flatten(1).bool()
+        if allowed.shape[1] < vocab:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        return allowed[:, :vocab]
 
     def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
         """In place: tokens the grammar forbids get -inf in the rows (ordered as `request_ids`) it covers."""
@@ -188,7 +201,13 @@ class GuidedDecoder:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def masks(self, request_ids: Sequence[str]) -> GrammarMasks | None:
+    def valid_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids` the sequence's grammar would take in a row from where it is (all: unconstrained)."""
+        matcher = self._matchers.get(request_id)
+        return len(token_ids) if matcher is None or not token_ids else matcher.validate_tokens(list(token_ids))
+
+    def masks(self, request_ids: Sequence[str], proposals: dict[str, Sequence[int]] | None = None
+              ) -> GrammarMasks | None:
         """The allowed-token bitmasks of the constrained ones among `request_ids` (None if there are none).
 
         Computed when a batch is submitted, from matchers that have taken every token sampled so
@@ -205,7 +224,26 @@ class GuidedDecoder:
         # Straight into the array's memory (llguidance.torch would import torch.compile: seconds).
         for j, (_, matcher) in enumerate(rows):
             matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
-        return GrammarMasks(tuple(rid for rid, _ in rows), bitmask)
+        spec_rows = None
+        if proposals:
+            spec_rows = {rid: self._position_masks(m, proposals[rid], words) for rid, m in rows if proposals.get(rid)}
+        return GrammarMasks(tuple(rid for rid, _ in rows), bitmask, spec_rows)
+
+    @staticmethod
+    def _position_masks(matcher, proposals: Sequence[int], words: int) -> np.ndarray:
+        """The masks after each prefix of `proposals` (the matcher is left where it was). Proposals come trimmed
+        to what the grammar takes (`valid_prefix`); past one it refuses, the rows stay all-allowed: verification
+        rejects that proposal at its own position, so no later position is ever sampled."""
+        out = np.full((len(proposals) + 1, words), -1, dtype=np.int32)
+        consumed = 0
+        for i in range(len(proposals) + 1):
+            matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, words * 4)
+            if i == len(proposals) or not matcher.consume_token(proposals[i]):
+                break
+            consumed += 1
+        if consumed:
+            matcher.rollback(consumed)
+        return out
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance a sequence's matcher; True when the grammar is complete (nothing but EOS may follow)."""

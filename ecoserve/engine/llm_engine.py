@@ -162,6 +162,12 @@ class LLMEngine:
         self._failed: dict[str, Exception] = {}  # requests that failed after add_request returned, until take_failed()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.last_step_empty = False  # the last step() found nothing it could schedule
+        self.speculator = None  # speculative decoding (--speculative-config): proposals before each step
+        if config.speculative is not None:
+            from ecoserve.engine.spec_decode.speculator import build_speculator
+
+            self.speculator = build_speculator(config, loaded, num_blocks)
+            self.scheduler.speculative = True
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -385,16 +391,24 @@ class LLMEngine:
             self._start_ready_grammars()
         in_flight = self._in_flight
         while len(in_flight) < self.max_in_flight:
-            out = self.scheduler.schedule()
-            if out.is_empty:
-                break
-            in_flight.append((out, self.executor.submit(out, self._grammar_masks(out))))
+            if self.speculator is not None:
+                out, future = self._submit_speculative()
+                if future is None:
+                    break
+            else:
+                out = self.scheduler.schedule()
+                if out.is_empty:
+                    break
+                future = self.executor.submit(out, self._grammar_masks(out))
+            in_flight.append((out, future))
         self.last_step_empty = not in_flight
         if not in_flight:
             self.flush_finished()
             return []
         out, future = in_flight.popleft()
         result = future.result()  # raises if a rank died or stalled: the engine is dead then
+        if self.speculator is not None:
+            self.speculator.record(out, result)
         self.scheduler.update(out, result)
         touched: dict[str, _Parent] = {}
         for chunk in out.chunks:
@@ -448,6 +462,22 @@ class LLMEngine:
         failed, self._failed = self._failed, {}
         return failed
 
+    def _submit_speculative(self) -> tuple[SchedulerOutput, Any]:
+        """Propose, schedule and submit one step with speculation: constrained requests' proposals are cut to what
+        their grammar takes, and their masks cover every verified position."""
+        guided = self.guided if self.guided is not None and len(self.guided) else None
+        trim = None if guided is None else guided.valid_prefix
+        self.speculator.propose(self.scheduler.running, trim)
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return out, None
+        masks = None
+        if guided is not None:
+            proposals = {c.request.request_id: c.request.spec_token_ids[:c.num_spec_tokens]
+                         for c in out.chunks if c.num_spec_tokens}
+            masks = guided.masks([c.request.request_id for c in out.chunks if c.samples], proposals)
+        return out, self.executor.submit(out, masks, self.speculator.draft_probs())
+
     def _grammar_masks(self, out: SchedulerOutput):
         """Bitmasks of the batch's constrained sampling rows, from matchers that have seen every earlier token."""
         guided = self.guided
@@ -460,6 +490,8 @@ class LLMEngine:
             self._child_to_parent.pop(c.request.request_id, None)
             if self.guided is not None:
                 self.guided.remove(c.request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget([c.request.request_id for c in parent.children])
 
     def flush_finished(self) -> None:
         """Hand the executor the ids of requests that left since its last batch, so it drops their state.
@@ -473,22 +505,37 @@ class LLMEngine:
 
     def _process_token(self, child: _Child, result) -> None:
         req = child.request
+        rid = req.request_id
+        spec_logprobs = result.spec_logprobs.get(rid) if result.spec_logprobs else None
+        first_new = child.num_processed
         while child.num_processed < req.num_output_tokens:
             token = req.output_token_ids[child.num_processed]
             child.num_processed += 1
             self.stats["generation_tokens"] += 1
             child.new_token_ids.append(token)
-            if child.cumulative_logprob is not None and req.request_id in result.logprobs:
+            if child.cumulative_logprob is not None and (spec_logprobs is not None or rid in result.logprobs):
                 if child.new_logprobs is None:
                     child.new_logprobs = []
-                child.new_logprobs.append(result.logprobs[req.request_id])
-                child.cumulative_logprob += result.sampled_logprob[req.request_id]
+                if spec_logprobs is not None:  # several tokens this step (speculative decoding): one entry each
+                    j = child.num_processed - 1 - first_new
+                    child.new_logprobs.append(spec_logprobs[j])
+                    child.cumulative_logprob += result.spec_sampled_logprobs[rid][j]
+                else:
+                    child.new_logprobs.append(result.logprobs[rid])
+                    child.cumulative_logprob += result.sampled_logprob[rid]
             stop = child.detokenizer.append(token)
-            if stop is not None and not req.finished and req.num_output_tokens >= req.sampling_params.min_tokens:
+            ended = False
+            if stop is not None and not req.finished and child.num_processed >= req.sampling_params.min_tokens:
                 req.stop_reason = stop
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-            if self.guided is not None and self.guided.accept(req.request_id, token) and not req.finished:
+                ended = True
+            if self.guided is not None and self.guided.accept(rid, token) and not req.finished:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
+                ended = True
+            if ended and child.num_processed < req.num_output_tokens:  # tokens past the stop (speculation's)
+                del req.output_token_ids[child.num_processed:]
+                del req.all_token_ids[req.num_prompt_tokens + child.num_processed:]
+                break
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         """This step's deltas of every sample (empty for samples without news), O(new tokens)."""

@@ -19,6 +19,7 @@ from ecoserve.engine.attention import PagedAttention
 from ecoserve.engine.kv_cache import PagedKVCache
 from ecoserve.engine.guided import GrammarMasks
 from ecoserve.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
+from ecoserve.engine.spec_decode import verify
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 
 
@@ -45,22 +46,32 @@ class ModelRunner:
             gen = self._generators[request.request_id] = make_generator(seed, self.device)
         return gen
 
-    def submit(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> "ReadyStep":
+    def submit(self, batch: SchedulerOutput, masks: GrammarMasks | None = None,
+               draft_probs: dict[str, torch.Tensor] | None = None) -> "ReadyStep":
         """The engine's one interface to executors (see ecoserve.distributed.executor): here the step runs now."""
-        return ReadyStep(self.execute(batch, masks))
+        return ReadyStep(self.execute(batch, masks, draft_probs))
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> StepResult:
+    def execute(self, batch: SchedulerOutput, masks: GrammarMasks | None = None,
+                draft_probs: dict[str, torch.Tensor] | None = None) -> StepResult:
+        """draft_probs: speculative decoding, the draft's q of each request's proposals (absent: one-hot)."""
         started = time.perf_counter()
         for rid in batch.finished_ids:
             self._generators.pop(rid, None)
         if batch.is_empty:
             return StepResult(duration=time.perf_counter() - started)
-        ids, spans, sample_rows, prompt_rows = [], [], [], []
+        ids, spans, sample_rows, prompt_rows, verify_rows = [], [], [], [], []
         offset = 0
         for chunk in batch.chunks:
             req = chunk.request
             end = chunk.start + chunk.num_tokens
+            if chunk.num_spec_tokens:  # a decode with proposals: its newest token, then the proposals
+                ids.append(req.all_token_ids[chunk.start])
+                ids.extend(req.spec_token_ids[:chunk.num_spec_tokens])
+                spans.append((chunk.start, chunk.num_tokens, batch.block_tables[req.request_id], True))
+                verify_rows.append((chunk, offset))
+                offset += chunk.num_tokens
+                continue
             ids.extend(req.all_token_ids[chunk.start:end])
             spans.append((chunk.start, chunk.num_tokens, batch.block_tables[req.request_id], chunk.is_prefill))
             if req.sampling_params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens - 1:
@@ -80,6 +91,8 @@ class ModelRunner:
             result.duration = time.perf_counter() - started
             return result
         logits = None
+        if verify_rows:
+            self._verify(hidden, verify_rows, result, masks, draft_probs or {})
         if sample_rows:  # under tensor parallelism only rank 0 gets the gathered logits (None elsewhere)
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in sample_rows])])
         if logits is not None:
@@ -103,6 +116,28 @@ class ModelRunner:
                                                                      req.sampling_params.prompt_logprobs)
         result.duration = time.perf_counter() - started
         return result
+
+    def _verify(self, hidden: torch.Tensor, verify_rows, result: StepResult, masks: GrammarMasks | None,
+                draft_probs: dict[str, torch.Tensor]) -> None:
+        """Score every proposed position of the decodes that carry proposals and accept by rejection sampling."""
+        rows = torch.cat([torch.arange(offset, offset + chunk.num_tokens) for chunk, offset in verify_rows])
+        logits = self.model.compute_logits(hidden[rows.to(hidden.device)])
+        at = 0
+        for chunk, _ in verify_rows:
+            req, n, k = chunk.request, chunk.num_tokens, chunk.num_spec_tokens
+            rid = req.request_id
+            proposals = req.spec_token_ids[:k]
+            probs = draft_probs.get(rid)
+            position_rows = verify.position_rows(req, proposals, self._generator(req))
+            allowed = None if masks is None else masks.allowed_rows(rid, logits.shape[1])
+            verified = verify.verify(logits[at:at + n], proposals, None if probs is None else probs[:k],
+                                     position_rows, allowed)
+            at += n
+            result.sampled[rid] = verified.token_ids[0]
+            result.spec_tokens[rid] = verified.token_ids
+            if verified.logprobs is not None:
+                result.spec_logprobs[rid] = verified.logprobs
+                result.spec_sampled_logprobs[rid] = verified.sampled_logprobs
 
 
 class ReadyStep:

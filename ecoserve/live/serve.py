@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ecoserve.clock import WallClock
 from ecoserve.cluster.router import ROUTER_MODES
 from ecoserve.cluster.strategies import STRATEGIES, ControllerOptions, build_controller, setups_for
-from ecoserve.config import EngineArgs
+from ecoserve.config import EngineArgs, SpeculativeConfig
 
 if TYPE_CHECKING:  # the frontend imports the engine (torch); `ecoserve instance` must not need it
     from ecoserve.engine.async_engine import ModelFacts
@@ -185,6 +185,7 @@ def instance_engine_args(args: argparse.Namespace) -> EngineArgs:
     """What every instance of `ecoserve serve --strategy` runs: the command's engine arguments, one torch
     thread unless told, and no waiting-queue limit (the frontend holds the queue)."""
     engine = EngineArgs.from_cli_args(args)
+    SpeculativeConfig.parse(engine.speculative_config)  # a bad --speculative-config stops here, before any instance
     return dataclasses.replace(engine, num_threads=engine.num_threads or 1, max_waiting=None)
 
 

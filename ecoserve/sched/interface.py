@@ -29,10 +29,12 @@ class ScheduledChunk(NamedTuple):
     start: int
     num_tokens: int
     samples: bool  # fixed at scheduling time: this chunk reaches the request's last token
+    # speculative decoding: the last `num_spec_tokens` of `num_tokens` are the request's proposals (spec_token_ids)
+    num_spec_tokens: int = 0
 
     @property
     def is_prefill(self) -> bool:
-        return is_prefill(self.num_tokens, self.samples)
+        return is_prefill(self.num_tokens - self.num_spec_tokens, self.samples)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class StepResult:
     sampled_logprob: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)  # appended chunk by chunk
     duration: float = 0.0
+    # speculative decoding, for chunks with proposals: every token the request emits this step in order (its
+    # accepted proposals, then the target's own token; `sampled` holds the first), and their logprobs if asked
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    spec_sampled_logprobs: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

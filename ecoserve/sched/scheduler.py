@@ -49,6 +49,7 @@ class Scheduler:
         self._last_step_phase: Phase = "idle"  # "prefill" if the last non-empty step computed a prompt chunk
         self.created_at = clock.now()
         self.window = PrefillWindow()  # commanded by the macro-instance scheduler (temporal policy)
+        self.speculative = False  # decodes carry their requests' proposals (spec_token_ids) when set
 
     # ---- phase and window (the one definition; see sched/window.py) ------------------------
     @property
@@ -150,6 +151,7 @@ class Scheduler:
         add, caching = step.add, kv.enable_prefix_caching
         owned_blocks, block_size = kv.owned_blocks.get, kv.block_size
         preempted = step.num_preempted
+        speculative = self.speculative
         for req in reqs:
             budget = step.token_budget
             if budget <= 0 or step.seq_budget <= 0:
@@ -165,13 +167,21 @@ class Scheduler:
                 n = max_tokens
             if n <= 0:
                 continue
+            spec = 0
+            if speculative and n == len(req.all_token_ids) - req.num_computed_tokens == 1 and req.spec_token_ids:
+                # a decode verifies its proposals in the same chunk: they count against the budget like any token
+                spec = min(len(req.spec_token_ids), budget - 1, (max_tokens or budget) - 1)
+                n += spec
             owned = owned_blocks(req.request_id)
             if owned is None or req.num_computed_tokens + n > len(owned) * block_size:  # else it fits its blocks
-                if not self._make_room(req, n, step):
+                if spec and not kv.allocate_slots(req, n):  # proposals never preempt: without room they wait
+                    n -= spec
+                    spec = 0
+                if not spec and not self._make_room(req, n, step):
                     continue
-            add(req, n)
-            if caching:
-                kv.cache_blocks(req, req.num_computed_tokens + n)
+            add(req, n, spec)
+            if caching:  # proposals are not tokens of the request yet: only its own ones are indexed
+                kv.cache_blocks(req, req.num_computed_tokens + n - spec)
 
     def _make_room(self, req: Request, n: int, step: StepBuilder) -> bool:
         """Allocate `n` slots for `req`, preempting the newest requests until they fit; False if they can't."""
@@ -256,6 +266,10 @@ class Scheduler:
             in_flight.discard(req.request_id)
             if req.status is not _RUNNING:
                 continue  # finished (aborted) or preempted while the step ran
+            if chunk.num_spec_tokens:
+                if self._accept_verified(req, chunk, result.spec_tokens[req.request_id], now):
+                    done.append(req)
+                continue
             req.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
                 continue
@@ -269,3 +283,20 @@ class Scheduler:
                 self.finish_request(req, status)
                 done.append(req)
         return done
+
+    def _accept_verified(self, req: Request, chunk, tokens: list[int], now: float) -> bool:
+        """Account a decode that verified proposals: `tokens` are its accepted proposals then the target's own
+        token. KV counts as computed through the accepted proposals only (the slots of rejected ones are written
+        again next step); tokens stop at the first stop condition. True if the request finished."""
+        req.num_computed_tokens += chunk.num_tokens - chunk.num_spec_tokens + len(tokens) - 1
+        times = req.times
+        if times.first_token is None:
+            times.first_token = now
+        times.last_token = now
+        for token in tokens:
+            req.append_output_token(token)
+            status = req.check_stop_token()
+            if status is not None:
+                self.finish_request(req, status)
+                return True
+        return False

@@ -40,11 +40,13 @@ class StepBuilder:
     num_preempted: int = 0
     num_prefill_chunks: int = 0  # chunks with `is_prefill`, kept as they come and go
 
-    def add(self, req: Request, num_tokens: int) -> None:
+    def add(self, req: Request, num_tokens: int, num_spec: int = 0) -> None:
+        """`num_spec`: how many of `num_tokens` are the request's proposals (after its own tokens)."""
         start = req.num_computed_tokens
-        samples = start + num_tokens == len(req.all_token_ids)
-        self.chunks[req.request_id] = _new_chunk(ScheduledChunk, (req, start, num_tokens, samples))
-        if num_tokens != 1 or not samples:  # is_prefill(num_tokens, samples)
+        num_own = num_tokens - num_spec
+        samples = start + num_own == len(req.all_token_ids)
+        self.chunks[req.request_id] = _new_chunk(ScheduledChunk, (req, start, num_tokens, samples, num_spec))
+        if num_own != 1 or not samples:  # is_prefill(num_tokens - num_spec, samples)
             self.num_prefill_chunks += 1
         self.token_budget -= num_tokens
         self.seq_budget -= 1

@@ -56,6 +56,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mitosis-step", type=float, default=None, help="mitosis: seconds per rate step (default 120)")
     p.add_argument("--models", default=None, help="experiments: comma-separated models (default: the paper's)")
     p.add_argument("--datasets", default=None, help="experiments: comma-separated datasets")
+    p.add_argument("--num-speculative-tokens", default=None, metavar="K",
+                   help="run: speculative decoding on every instance, K proposals per decode or auto (the tuner "
+                        "over the instance's performance model); default: none")
+    p.add_argument("--spec-acceptance-rate", type=float, default=0.7,
+                   help="run: the chance a proposal is accepted given the ones before it were (default %(default)s)")
+    p.add_argument("--spec-draft-cost", type=float, default=0.0,
+                   help="run: one draft pass as a fraction of the target's decode step (0: n-gram lookup; about "
+                        "0.3 for a Q4 self-draft); default %(default)s")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="run: write a PNG of the cluster timeline (phase per instance, prefill windows, "
                         "routed requests) at PATH")
@@ -94,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     ds = DATASETS.get(args.dataset)
     ttft, tpot = args.ttft_slo or ds.ttft_slo, args.tpot_slo or ds.tpot_slo
     spec = ClusterSpec(model=args.model, gpu=GPUS.get(args.gpu).name, tp=args.tp, num_instances=args.num_instances,
-                       network=args.network, profile=args.profile,
+                       network=args.network, profile=args.profile, speculation=_speculation(args),
                        **({"profile_tokens": _token_counts(args.profile_tokens)} if args.profile_tokens else {}))
     wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
                                                              seed=args.seed, arrival=args.arrival, cv=args.cv)
@@ -107,6 +115,8 @@ def main(args: argparse.Namespace) -> int:
     (out / "run.json").write_text(json.dumps({"summary": summary, "sim_time": res.sim_time,
                                               "instances": res.extra["instances"], "extra": extra}, indent=1))
     print(json.dumps(summary, indent=1))
+    if "spec_decode" in res.extra:
+        print("speculative decoding:", json.dumps(res.extra["spec_decode"]))
     print(instance_table(res.extra["instances"]))
     if args.plot:
         from ecoserve.sim.timeline_plot import plot_timeline
@@ -140,3 +150,18 @@ def _token_counts(text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1:
         raise ValueError(f"--profile-tokens takes positive token counts, got {text!r}")
     return counts
+
+
+def _speculation(args: argparse.Namespace):
+    """`--num-speculative-tokens` and its rates as the simulated instances' model; None: no speculation."""
+    from ecoserve.sim.speculation import AUTO, SpeculationModel
+
+    k = args.num_speculative_tokens
+    if k is None:
+        return None
+    if k != AUTO:
+        try:
+            k = int(k)
+        except ValueError:
+            raise ValueError(f"--num-speculative-tokens takes an integer >= 1 or auto, got {k!r}") from None
+    return SpeculationModel(args.spec_acceptance_rate, k, args.spec_draft_cost, seed=args.seed)

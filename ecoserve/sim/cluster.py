@@ -25,6 +25,7 @@ from ecoserve.sim.metrics import RequestRecord
 from ecoserve.sim.models import model as get_model
 from ecoserve.sim.network import LinkQueue
 from ecoserve.sim.perf import make_perf
+from ecoserve.sim.speculation import SpeculatingExecutor, SpeculationModel
 from ecoserve.sim.profiling import measured_prefill_table
 from ecoserve.sim.workload import SimRequest
 
@@ -46,6 +47,7 @@ class ClusterSpec:
     chunk_size: int = 512  # Sarathi's token budget per hybrid step
     profile_tokens: tuple[int, ...] = PROFILE_TOKENS  # lengths the router's start-up profile is timed at
     perf_knobs: dict = field(default_factory=dict)
+    speculation: SpeculationModel | None = None  # speculative decoding on every instance's decodes
 
     def perf(self):
         return make_perf(self.model, self.gpu, tp=self.tp, pp=self.pp, profile=self.profile, **self.perf_knobs)
@@ -85,7 +87,9 @@ class ClusterSim:
             setup = self.controller.setups[iid]
             cfg = SchedulerConfig(policy=setup.policy, max_num_seqs=spec.max_num_seqs,
                                   max_num_batched_tokens=setup.max_num_batched_tokens or spec.max_num_batched_tokens)
-            self.instances.append(SimInstance(iid, self.perf, self.clock, cfg, self.num_blocks, spec.block_size))
+            executor = SpeculatingExecutor(self.perf, spec.speculation) if spec.speculation else None
+            self.instances.append(SimInstance(iid, self.perf, self.clock, cfg, self.num_blocks, spec.block_size,
+                                              executor=executor))
         self.timeline = TimelineRecorder([i.instance_id for i in self.instances])  # what `--plot` draws
         for inst in self.instances:
             self.timeline.phase(0.0, inst.instance_id, "idle")
@@ -272,6 +276,12 @@ class ClusterSim:
             out["timeline"] = ctrl["timeline"]
         if self.failed:
             out["failed"] = dict(self.failed)
+        if self.spec.speculation:  # vLLM's counters, summed over instances
+            execs = [i.executor for i in self.instances]
+            drafts, accepted = sum(e.num_drafts for e in execs), sum(e.num_accepted_tokens for e in execs)
+            out["spec_decode"] = {"num_drafts": drafts, "num_draft_tokens": sum(e.num_draft_tokens for e in execs),
+                                  "num_accepted_tokens": accepted,
+                                  "acceptance_length": 1 + accepted / drafts if drafts else 1.0}
         return out
 
 

@@ -57,13 +57,16 @@ class SimInstance:
     """One model instance in virtual time: a scheduler, its executor, and step bookkeeping."""
 
     def __init__(self, instance_id: int, perf, clock: VirtualClock, sched_config: SchedulerConfig,
-                 num_blocks: int, block_size: int = 16, max_model_len: int | None = None) -> None:
+                 num_blocks: int, block_size: int = 16, max_model_len: int | None = None,
+                 executor: SimulatedExecutor | None = None) -> None:
         self.instance_id = instance_id
         self.clock = clock
-        self.executor = SimulatedExecutor(perf)
+        self.executor = executor or SimulatedExecutor(perf)
         self.sched = Scheduler(sched_config, CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
                                                          enable_prefix_caching=False),
                                num_blocks, clock, max_model_len=max_model_len)
+        # speculative decoding (sim/speculation.py): the executor proposes before each schedule
+        self.speculating = self.sched.speculative = hasattr(self.executor, "propose")
         self.busy = False
         self._out: SchedulerOutput | None = None
         self._result: StepResult | None = None
@@ -96,6 +99,8 @@ class SimInstance:
         """Start a step if idle and there is work; return its end time."""
         if self.busy or not self.sched.has_unfinished_requests():
             return None
+        if self.speculating:
+            self.executor.propose(self.sched.running)
         out = self.sched.schedule()
         if out.is_empty:
             return None
