@@ -100,6 +100,18 @@ def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
     return out.index_add_(0, tokens, scaled)
 
 
+class Router(nn.Module):
+    """The router's logits x W^T [T, E] by torch's own matmul, as transformers computes them: not an
+    nn.Linear, so weight quantization and oneDNN packing leave it alone and routing stays exact."""
+
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ Qwen2-MoE's gated shared expert); `forward` maps [T, H] -> [T, H]."""
 
@@ -109,7 +121,7 @@ class SparseMoeBlock(nn.Module):
         self.moe, self.tp = moe, tp
         self.shard = ExpertShard.of(moe, tp.size if tp else 1, tp.rank if tp else 0, expert_parallel)
         local, inter = self.shard.num_local_experts, self.shard.intermediate
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False, dtype=dtype)  # the router
+        self.gate = Router(hidden, moe.num_experts, dtype)
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * inter, hidden, dtype=dtype))
         self.w_down = nn.Parameter(torch.empty(local, hidden, inter, dtype=dtype))
         self.shared_intermediate = 0

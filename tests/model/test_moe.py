@@ -193,3 +193,22 @@ def test_expert_parallel_needs_experts_divisible_by_ranks():
         ExpertShard.of(spec.moe, 4, 0, expert_parallel=True)
     with pytest.raises(ModelLoadError, match="must divide the experts' intermediate size 24"):
         SparseMoeBlock(16, spec.moe, torch.float32, type("TP", (), {"size": 5, "rank": 0})())
+
+
+def test_structured_outputs_beside_plain_rows(tmp_path):
+    """A MoE batch mixing constrained and plain requests: the plain rows are unchanged, the others match."""
+    import re
+
+    from ecoserve.structured import StructuredOutputsParams
+
+    path = make_tiny_moe_checkpoint(tmp_path / "m", "mixtral")
+    llm = LLM(str(path), max_num_batched_tokens=32)
+    ps = [{"prompt_token_ids": p} for p in prompts(4, seed=8)]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(ps, plain, use_tqdm=False)
+    guided = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="x[0-9]{2}!"))
+    mixed = llm.generate(ps, [plain, guided] * 2, use_tqdm=False)
+    for i in (0, 2):
+        assert mixed[i].outputs[0].token_ids == alone[i].outputs[0].token_ids
+    for i in (1, 3):
+        assert re.fullmatch(r"x[0-9]{2}!", mixed[i].outputs[0].text), mixed[i].outputs[0].text
