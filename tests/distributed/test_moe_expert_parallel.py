@@ -44,3 +44,15 @@ def test_expert_parallel_needs_ranks_that_divide_the_experts(tmp_path):
     path = make_tiny_moe_checkpoint(tmp_path / "m", "mixtral", num_local_experts=6)
     with pytest.raises(ValueError, match="splits the 6 experts over tensor_parallel_size 4"):
         LLM(str(path), tensor_parallel_size=4, enable_expert_parallel=True, num_threads=1)
+
+
+def test_enable_expert_parallel_flag_reaches_the_parallel_config():
+    import argparse
+
+    from ecoserve.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--enable-expert-parallel", "-tp", "2"]))
+    assert args.create_engine_config().parallel.enable_expert_parallel
+    assert not EngineArgs().create_engine_config().parallel.enable_expert_parallel
