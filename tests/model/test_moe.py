@@ -212,3 +212,21 @@ def test_structured_outputs_beside_plain_rows(tmp_path):
         assert mixed[i].outputs[0].token_ids == alone[i].outputs[0].token_ids
     for i in (1, 3):
         assert re.fullmatch(r"x[0-9]{2}!", mixed[i].outputs[0].text), mixed[i].outputs[0].text
+
+
+def test_expert_benchmark_script_runs(tmp_path):
+    """scripts/bench_moe_experts.py (the grouped-vs-loop figures' command), tiny shapes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "scripts" / "bench_moe_experts.py"), "--tokens", "1", "6",
+                          "--experts", "4", "--top-k", "2", "--hidden", "32", "--intermediate", "16", "--repeats", "2",
+                          "--dtypes", "float32", "--threads", "1", "--json", str(tmp_path / "out.json")],
+                         capture_output=True, text=True, cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin"},
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 6] and all(r["grouped_ms"] > 0 and r["loop_ms"] > 0 for r in rows)
+    assert rows[0]["active_experts"] == 2
