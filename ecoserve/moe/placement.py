@@ -7,8 +7,9 @@ layer's base load); while comp / load < 1 the host computes that expert hidden u
 and at the first expert where it does not, it and every hotter expert are loaded to the device.
 
 Residency: each layer keeps at most `resident_budget` experts on the device, its most popular ones
-(`ExpertPopularity`). An on-demand load takes a free slot or evicts the least popular resident the
-step does not use; with no such slot the expert is computed on the host instead.
+(`ExpertPopularity`). An on-demand load stays resident when it finds a free slot or can evict the
+least popular resident the step does not use; otherwise it passes through a transient buffer and is
+dropped after the layer (with a budget of 0 every load is transient).
 
 Prefetch: a three-level priority queue (`PrefetchQueue`): experts the running layer needs now (on
 demand) > the next layer's predicted experts > the popular experts a layer lacks, most popular first.
@@ -51,7 +52,8 @@ class LayerPlan:
     hits: tuple[int, ...]  # routed and resident: computed on the device
     load: tuple[int, ...]  # routed, moved to the device now (on demand), then computed there
     host: tuple[int, ...]  # routed, computed where its weights live
-    evict: tuple[int, ...]  # residents that give their slot to `load`
+    admit: tuple[int, ...]  # of `load`, those that stay resident (the rest are dropped after the layer)
+    evict: tuple[int, ...]  # residents that give their slot to `admit`
 
     @property
     def device(self) -> tuple[int, ...]:
@@ -149,17 +151,16 @@ class PlacementPolicy:
         free = self.resident_budget - len(resident)
         used = set(routed)
         victims = [e for e in reversed(self.popularity.ranked(layer)) if e in resident and e not in used]
-        load, evict, no_slot = [], [], []
-        for e in device:
+        admit, evict = [], []
+        for e in device:  # hottest first: they keep the slots
             if free > 0:
                 free -= 1
             elif victims:
                 evict.append(victims.pop(0))
             else:
-                no_slot.append(e)
-                continue
-            load.append(e)
-        return LayerPlan(layer, hits, tuple(load), host + tuple(no_slot), tuple(evict))
+                break
+            admit.append(e)
+        return LayerPlan(layer, hits, device, host, tuple(admit), tuple(evict))
 
     def victim(self, layer: int, expert: int, resident: Collection[int], keep: Collection[int],
                priority: Priority) -> int | None:

@@ -36,17 +36,19 @@ def test_plan_hits_loads_host_and_evicts_the_least_popular_unused_resident():
     # resident 0, 2, 5 (budget full); misses 1(1) 3(2) 4(4): 1/2, 3/4 host, then 7/6 -> 4 is loaded,
     # taking the slot of expert 2 (resident, not routed this step)
     plan = policy(3).plan_layer(0, TOKENS, resident={0, 2, 5})
-    assert (plan.hits, plan.load, plan.host, plan.evict) == ((0, 5), (4,), (1, 3), (2,))
+    assert (plan.hits, plan.load, plan.host, plan.admit, plan.evict) == ((0, 5), (4,), (1, 3), (4,), (2,))
     assert sorted(plan.device + plan.host) == [0, 1, 3, 4, 5]
 
 
-def test_plan_computes_on_the_host_when_no_slot_can_be_freed():
+def test_plan_loads_through_a_transient_buffer_when_no_slot_can_be_freed():
     plan = policy(2).plan_layer(0, TOKENS, resident={0, 5})  # both residents are routed: nothing to evict
-    assert (plan.hits, plan.load, plan.host, plan.evict) == ((0, 5), (), (1, 3, 4), ())
-    plan = policy(0).plan_layer(0, TOKENS, resident=set())  # no device pool: all on the host
-    assert (plan.hits, plan.load, plan.host) == ((), (), (1, 5, 3, 0, 4))
+    assert (plan.hits, plan.load, plan.host, plan.admit, plan.evict) == ((0, 5), (4,), (1, 3), (), ())
+    plan = policy(0).plan_layer(0, TOKENS, resident=set())  # no device pool: every load is transient
+    assert (plan.hits, plan.load, plan.host, plan.admit) == ((), (0, 4), (1, 5, 3), ())
     plan = policy(4).plan_layer(0, TOKENS, resident={0})  # free slots: no eviction
-    assert (plan.load, plan.evict) == ((4,), ())
+    assert (plan.load, plan.admit, plan.evict) == ((4,), (4,), ())
+    plan = policy(6).plan_layer(0, [3, 3, 3, 3, 3, 3], resident={0, 1, 2})  # hottest admitted first
+    assert (plan.load, plan.admit) == ((5, 4, 3), (5, 4, 3))
 
 
 def test_plan_rejects_bad_input():
