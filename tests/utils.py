@@ -41,7 +41,8 @@ Cats and dogs are popular pets; birds sing in the morning, and fish swim in the 
 """
 VOCAB_SIZE = 512
 
-_ARCHS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+_ARCHS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+          "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,7 +79,7 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, num_layers: i
                          **config_overrides: Any) -> Path:
     """Write a random-weight HF checkpoint (float32 safetensors + tokenizer + generation_config).
 
-    arch: llama | mistral | qwen2 | qwen3. `rope_scaling` e.g. {"rope_type": "linear", "factor": 2.0}.
+    arch: llama | mistral | qwen2 | qwen3 | mixtral | qwen2_moe | qwen3_moe (MoE keys via overrides). `rope_scaling` e.g. {"rope_type": "linear", "factor": 2.0}.
     `max_shard_size` (e.g. "20KB") writes sharded safetensors with an index. The wide
     initializer_range keeps argmax margins large, so greedy comparisons are not flaky.
     """
@@ -113,6 +114,22 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, num_layers: i
     gen.update(generation_config or {})
     GenerationConfig(**gen).save_pretrained(path)
     return path
+
+
+# tiny MoE configs: more experts than top-k; Qwen2-MoE with its shared expert, Qwen3-MoE with a dense layer
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      mlp_only_layers=[1], num_hidden_layers=3),
+}
+
+
+def make_tiny_moe_checkpoint(path: str | Path, arch: str, **overrides: Any) -> Path:
+    """A random tiny Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint (MOE_CONFIGS, then `overrides`)."""
+    kwargs = {**MOE_CONFIGS[arch], **overrides}
+    return make_tiny_checkpoint(path, arch, num_layers=kwargs.pop("num_hidden_layers", 2), **kwargs)
 
 
 def _spread_norm_weights(model: torch.nn.Module, seed: int) -> None:

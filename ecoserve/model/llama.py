@@ -14,8 +14,10 @@ from torch import nn
 from ecoserve.model.attention import AttentionBackend
 from ecoserve.model.fused import native_for
 from ecoserve.model.layers import GatedMLP, RMSNorm
-from ecoserve.model.parallel import (HeadShard, ParallelLMHead, RowParallelLinear, ShardPlan, StageLink, TPComm,
-                                     VocabParallelEmbedding)
+from ecoserve.model.moe import SparseMoeBlock
+from ecoserve.model.parallel import (Checkpointed, HeadShard, ParallelLMHead, RowParallelLinear, ShardPlan, StageLink,
+                                     TPComm, VocabParallelEmbedding)
+from ecoserve.model.parallel import take as _take
 from ecoserve.model.rope import RotaryEmbedding, apply_rotary
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 
@@ -54,11 +56,15 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, tp: TPComm | None = None) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, tp: TPComm | None = None,
+                 global_idx: int | None = None, expert_parallel: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.self_attn = Attention(spec, layer_idx, dtype, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        if spec.moe is not None and spec.moe.is_sparse(layer_idx if global_idx is None else global_idx):
+            self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe, dtype, tp, expert_parallel)
+            return
         tp_size = tp.size if tp else 1
         if spec.intermediate_size % tp_size:
             raise ModelLoadError(f"tensor_parallel_size {tp_size} must divide intermediate_size "
@@ -85,7 +91,8 @@ class LlamaModel(nn.Module):
         self.layer_range = shard.layers(spec.num_layers)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp) \
             if shard.is_first_stage else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, tp) for i in range(len(self.layer_range)))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, tp, start + i, shard.expert_parallel)
+                                    for start in [self.layer_range.start] for i in range(len(self.layer_range)))
         if shard.is_last_stage:
             self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
             self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, tp)
@@ -163,8 +170,13 @@ class LlamaModel(nn.Module):
         are then read, so no rank materialises a tensor it does not hold. Raises if any is missing.
         """
         params = dict(self.named_parameters())  # a tied lm_head appears once
-        needed: set[tuple[str, int]] = set()
+        moe_blocks = {f"layers.{i}.mlp": layer.mlp for i, layer in enumerate(self.layers)
+                      if isinstance(layer.mlp, SparseMoeBlock)}
+        needed: set[tuple[str, int | str]] = {(prefix, key) for prefix, block in moe_blocks.items()
+                                              for key in block.checkpoint_keys()}
         for name in params:
+            if ".".join(name.split(".")[:3]) in moe_blocks:
+                continue
             module = name.split(".")[-2]
             needed |= {(name, s) for f, s in self._FUSED.values() if f == module} or {(name, -1)}
         for hf_name, tensor in weights:
@@ -177,6 +189,12 @@ class LlamaModel(nn.Module):
                 if not 0 <= local < len(self.layer_range):
                     continue  # another pipeline stage's layer
                 parts[1] = str(local)
+                # Mixtral's checkpoints call the MoE block block_sparse_moe, the Qwen models mlp
+                block = f"layers.{local}.mlp" if len(parts) > 3 and parts[2] in ("mlp", "block_sparse_moe") else ""
+                if block in moe_blocks:
+                    filled = moe_blocks[block].load_checkpoint_tensor(".".join(parts[3:]), tensor, hf_name)
+                    needed -= {(block, key) for key in filled}
+                    continue
             shard, hf_module = -1, parts[-2] if len(parts) >= 2 else ""
             if hf_module in self._FUSED:
                 fused, shard = self._FUSED[hf_module]
@@ -200,7 +218,7 @@ class LlamaModel(nn.Module):
                 target.copy_(piece)
             needed.discard((name, shard))
         if needed:
-            missing = sorted(f"{n}[{s}]" if s >= 0 else n for n, s in needed)
+            missing = sorted(f"{n}[{s}]" if s != -1 else n for n, s in needed)
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
     def _rank_piece(self, tensor: "Checkpointed", hf_module: str, kind: str, name: str, hf_name: str,
@@ -242,15 +260,6 @@ class LlamaModel(nn.Module):
             q, kv = attn.q_size, attn.kv_size
             start, size = [(0, q), (q, kv), (q + kv, kv)][shard]
         else:
-            size = self.layers[0].mlp.intermediate
+            size = self.spec.intermediate_size // self.shard.tp_size  # a dense layer's share
             start = shard * size
         return param.data.narrow(0, start, size)
-
-
-Checkpointed = torch.Tensor  # or a safetensors slice: anything with .get_shape() and [a:b] / [:, a:b]
-
-
-def _take(tensor: "Checkpointed", dim: int, start: int, size: int) -> torch.Tensor:
-    if isinstance(tensor, torch.Tensor):
-        return tensor.narrow(dim, start, size)
-    return tensor[start:start + size] if dim == 0 else tensor[:, start:start + size]

@@ -49,6 +49,7 @@ class ShardPlan:
     num_stages: int = 1
     layer_start: int = 0
     layer_end: int | None = None  # exclusive; None: to the last layer
+    expert_parallel: bool = False  # MoE layers: the tensor-parallel ranks split the experts, not each expert
 
     @property
     def is_first_stage(self) -> bool:
@@ -121,6 +122,20 @@ class HeadShard:
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
     """The vocabulary rounded up to a multiple of tp_size, so every rank holds an equal slice."""
     return -(-vocab_size // tp_size) * tp_size
+
+
+Checkpointed = torch.Tensor  # or a safetensors slice: anything with .get_shape() and [a:b] / [:, a:b]
+
+
+def take(tensor: Checkpointed, dim: int, start: int, size: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + size) of a tensor or lazy checkpoint slice."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(dim, start, size)
+    return tensor[start:start + size] if dim == 0 else tensor[:, start:start + size]
+
+
+def checkpoint_shape(tensor: Checkpointed) -> tuple[int, ...]:
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
 
 
 class RowParallelLinear(nn.Module):

@@ -6,12 +6,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM") + MOE_ARCHITECTURES
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM"}
 # transformers' defaults for keys a config.json may leave out
 _DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072,
-                          "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768}
+                          "Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768, "MixtralForCausalLM": 131072,
+                          "Qwen2MoeForCausalLM": 32768, "Qwen3MoeForCausalLM": 32768}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -31,6 +36,35 @@ class RopeSpec:
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int | None = None  # llama3; dynamic uses max_position_embeddings
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The sparse MLP of a mixture-of-experts model: which layers have it, and how its router weighs experts.
+
+    Each sparse layer's router picks `top_k` of `num_experts` experts per token from softmax(router
+    logits) in float32; `norm_topk_prob` renormalises the k picked probabilities to sum to 1 (Mixtral
+    always does). Mixtral multiplies the experts' outputs by the float32 weights; the Qwen models first
+    round the weights to the model's dtype (`weights_in_model_dtype`), which matters in bfloat16.
+    Qwen2-MoE adds a shared expert to every token, scaled by sigmoid(shared_expert_gate(x)).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    norm_topk_prob: bool
+    weights_in_model_dtype: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    dense_layers: frozenset[int] = frozenset()  # layers with a plain gated MLP instead
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether (global) decoder layer `layer` has the sparse MoE block."""
+        return layer not in self.dense_layers
+
+    @property
+    def active_fraction(self) -> float:
+        """The share of the routed experts' weights one token uses."""
+        return self.top_k / self.num_experts
 
 
 @dataclass(frozen=True)
@@ -56,6 +90,7 @@ class ModelSpec:
     sliding_window: int | None = None
     torch_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoESpec | None = None  # None: every layer has a dense gated MLP
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -101,7 +136,7 @@ class ModelSpec:
         if act != "silu":
             raise ModelLoadError(f"unsupported hidden_act {act!r} in {source}; only 'silu' is supported")
         max_pos = get_int("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch])
-        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+        is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
         attention_bias = bool(config.get("attention_bias", False))
         if is_qwen:
             window = config.get("sliding_window") if config.get("use_sliding_window") else None
@@ -116,12 +151,51 @@ class ModelSpec:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope=_rope(config, max_pos, source), max_position_embeddings=max_pos,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=True if arch == "Qwen2ForCausalLM" else attention_bias,
-            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+            qkv_bias=_qkv_bias(arch, config, attention_bias),
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=bool(config.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM", sliding_window=window,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), sliding_window=window,
             torch_dtype=config.get("dtype") or config.get("torch_dtype"),
-            eos_token_ids=eos_ids, raw=config)
+            eos_token_ids=eos_ids, moe=_moe(arch, config, get_int, source), raw=config)
+
+
+def _qkv_bias(arch: str, config: dict[str, Any], attention_bias: bool) -> bool:
+    if arch == "Qwen2ForCausalLM":
+        return True
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(config.get("qkv_bias", True))
+    return attention_bias
+
+
+def _moe(arch: str, config: dict[str, Any], get_int, source: str) -> MoESpec | None:
+    """The MoESpec of a MoE architecture's config (transformers' defaults for absent keys), else None."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    num_layers = get_int("num_hidden_layers")
+    if arch == "MixtralForCausalLM":
+        experts = get_int("num_local_experts", 8)
+        top_k = get_int("num_experts_per_tok", 2)
+        moe = MoESpec(num_experts=experts, top_k=top_k, intermediate_size=get_int("intermediate_size"),
+                      norm_topk_prob=True, weights_in_model_dtype=False)
+    else:
+        key = "num_experts" if "num_experts" in config else "num_local_experts"  # transformers 5 may write either
+        defaults = {"Qwen2MoeForCausalLM": (60, 4, 1408), "Qwen3MoeForCausalLM": (128, 8, 768)}[arch]
+        experts = get_int(key, defaults[0])
+        top_k = get_int("num_experts_per_tok", defaults[1])
+        step = get_int("decoder_sparse_step", 1)
+        only = config.get("mlp_only_layers") or []
+        if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+            raise ModelLoadError(f"malformed {source}: mlp_only_layers must be a list of layer indices, got {only!r}")
+        dense = frozenset(i for i in range(num_layers) if i in only or (i + 1) % step)
+        shared = get_int("shared_expert_intermediate_size", 5632) if arch == "Qwen2MoeForCausalLM" else 0
+        moe = MoESpec(num_experts=experts, top_k=top_k,
+                      intermediate_size=get_int("moe_intermediate_size", defaults[2]),
+                      norm_topk_prob=bool(config.get("norm_topk_prob", False)), weights_in_model_dtype=True,
+                      shared_expert_intermediate_size=shared, dense_layers=dense)
+    if moe.top_k > moe.num_experts:
+        raise ModelLoadError(f"malformed {source}: num_experts_per_tok {moe.top_k} exceeds the "
+                             f"{moe.num_experts} experts")
+    return moe
 
 
 def _architecture(config: dict[str, Any], source: str) -> str:
