@@ -156,8 +156,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    moe_resident_experts: int | None = None  # MoE: experts per layer on the device, the rest in host memory
 
     def __post_init__(self) -> None:
+        _need(self.moe_resident_experts is None or self.moe_resident_experts >= 0,
+              f"moe_resident_experts must be >= 0, got {self.moe_resident_experts}")
         _need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         _need(self.cpu_linear in CPU_LINEARS, f"cpu_linear must be one of {', '.join(CPU_LINEARS)}; "
                                               f"got {self.cpu_linear!r}")
@@ -264,6 +267,10 @@ class EngineArgs:
                                     help="seconds a parallel step may take before the stuck rank is named")
     startup_timeout_s: float = _option(_PAR.startup_timeout_s, "--startup-timeout", type=float,
                                        help="seconds the ranks of a parallel instance may take to load their shards")
+    moe_resident_experts: int | None = _option(
+        EngineConfig.moe_resident_experts, "--moe-resident-experts", type=int,
+        help="mixture-of-experts models: experts per layer kept on the device; the rest stay in host memory, "
+             "computed there or moved on demand as the placement policy decides (default: all on the device)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
@@ -341,4 +348,5 @@ class EngineArgs:
                                     max_concurrent_batches=self.max_concurrent_batches,
                                     step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s),
             structured_outputs=StructuredOutputsConfig(compile_timeout_s=self.grammar_compile_timeout_s,
-                                                       cache_size=self.grammar_cache_size))
+                                                       cache_size=self.grammar_cache_size),
+            moe_resident_experts=self.moe_resident_experts)
