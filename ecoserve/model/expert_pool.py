@@ -155,7 +155,7 @@ class ExpertPool:
             parts.append((lut, gate_up, down))
         self._wait_for_loads()
         out = None
-        if plan.device:
+        if plan.hits or plan.admit:
             out = fused_experts(x, self._lut[layer][expert_ids], weights, self.slots_gate_up[layer],
                                 self.slots_down[layer])
         for lut, gate_up, down in parts:

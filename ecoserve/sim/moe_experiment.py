@@ -41,7 +41,8 @@ def run_budget(model: str, budget: int, placement: str, num_requests: int, skew:
 @EXPERIMENTS.register("moe_offload")
 def moe_offload(out: Path, model: str = "qwen3-30b-a3b", budgets=BUDGETS, placements=PLACEMENTS,
                 num_requests: int = 200, skew: float = 0.5) -> dict:
-    """Resident experts per layer vs batch-1 TPOT and offline throughput on one L20 + Xeon host; writes moe_offload.json."""
+    """Resident experts per layer vs batch-1 TPOT and offline throughput on one L20 + Xeon host; writes
+    moe_offload.json and .png."""
     m = get_model(model)
     rows = [run_budget(model, b, p, num_requests, skew) for b in budgets if b <= m.num_experts for p in placements]
     data = {"setting": {"model": model, "gpu": "L20", "host": "xeon-6348", "host_link": "pcie4",
@@ -50,8 +51,31 @@ def moe_offload(out: Path, model: str = "qwen3-30b-a3b", budgets=BUDGETS, placem
             "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_offload.json").write_text(json.dumps(data, indent=1))
+    _plot(out, data)
     print(table(rows))
     return data
+
+
+def _plot(out: Path, data: dict) -> None:
+    """Throughput and batch-1 TPOT by resident experts, one line per placement (moe_offload.png)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.2))
+    for placement in dict.fromkeys(r["placement"] for r in data["rows"]):
+        rows = [r for r in data["rows"] if r["placement"] == placement and r["fits"]]
+        budgets = [r["resident_experts"] for r in rows]
+        axes[0].plot(budgets, [r["output_tok_s"] for r in rows], marker="o", label=placement)
+        axes[1].plot(budgets, [r["batch1_tpot_ms"] for r in rows], marker="o", label=placement)
+    for ax, ylabel in ((axes[0], "offline output tokens / s"), (axes[1], "batch-1 TPOT (ms)")):
+        ax.set_xlabel("resident experts per layer")
+        ax.set_ylabel(f"{ylabel} (simulated)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{data['setting']['model']}, one L20 + {data['setting']['host']} host", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "moe_offload.png", dpi=120)
+    plt.close(fig)
 
 
 def table(rows: list[dict]) -> str:

@@ -55,16 +55,25 @@ def test_one_token_runs_on_the_host_and_a_large_batch_is_loaded(mixtral):
     assert pool.resident(0) == frozenset()
 
 
+PROMPTS = prompts(4, seed=3, min_len=1, max_len=60)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+
+
+def generate(llm: LLM):
+    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def full_model_outputs(mixtral):
+    return generate(LLM(str(mixtral)))
+
+
 @pytest.mark.parametrize("budget", [0, 3])
-def test_engine_outputs_equal_the_full_model(mixtral, budget):
-    ps = prompts(4, seed=3, min_len=1, max_len=60)
-    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-    run = lambda llm: [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
-    want = run(LLM(str(mixtral)))
+def test_engine_outputs_equal_the_full_model(mixtral, full_model_outputs, budget):
     llm = LLM(str(mixtral), moe_resident_experts=budget)
-    got = run(llm)
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    for g, w in zip(got, want):
+    got = generate(llm)
+    assert [g.token_ids for g in got] == [w.token_ids for w in full_model_outputs]
+    for g, w in zip(got, full_model_outputs):
         for mine, ref in zip(g.logprobs, w.logprobs):
             assert mine == pytest.approx(ref, abs=1e-5)
     stats = llm.llm_engine.expert_pool.stats

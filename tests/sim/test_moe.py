@@ -83,3 +83,14 @@ def test_simulate_run_plans_an_offloaded_moe(tmp_path, capsys):
                    "--dataset", "alpaca", "--rate", "2", "--num-requests", "20", "--out", str(tmp_path)])
     assert rc == 0
     assert json.loads((tmp_path / "run.json").read_text())["summary"]["num_finished"] == 20
+
+
+def test_moe_offload_experiment_rows(tmp_path):
+    from ecoserve.sim.moe_experiment import moe_offload
+
+    data = moe_offload(tmp_path, budgets=(32, 120), placements=("aptmoe", "host"), num_requests=12)
+    rows = {(r["resident_experts"], r["placement"]): r for r in data["rows"]}
+    assert not rows[(120, "aptmoe")]["fits"]  # 120 experts a layer leave no room for KV on one L20
+    ours, host = rows[(32, "aptmoe")], rows[(32, "host")]
+    assert ours["num_finished"] == 12 and ours["output_tok_s"] >= host["output_tok_s"]
+    assert (tmp_path / "moe_offload.json").exists()
