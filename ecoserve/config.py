@@ -100,6 +100,7 @@ class ParallelConfig:
     max_concurrent_batches: int | None = None  # batches in flight; None: pipeline_parallel_size
     step_timeout_s: float = 120.0  # a step (and every collective) not done by then names the stuck rank
     startup_timeout_s: float = 600.0  # workers must have loaded their shards by then
+    enable_expert_parallel: bool = False  # MoE layers: the tensor-parallel ranks split the experts, not each expert
 
     def __post_init__(self) -> None:
         _need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
@@ -267,6 +268,10 @@ class EngineArgs:
                                     help="seconds a parallel step may take before the stuck rank is named")
     startup_timeout_s: float = _option(_PAR.startup_timeout_s, "--startup-timeout", type=float,
                                        help="seconds the ranks of a parallel instance may take to load their shards")
+    enable_expert_parallel: bool = _option(
+        _PAR.enable_expert_parallel, "--enable-expert-parallel",
+        help="mixture-of-experts layers: the tensor-parallel ranks hold whole experts (experts / tp each) instead of "
+             "a slice of every expert; attention stays tensor parallel")
     moe_resident_experts: int | None = _option(
         EngineConfig.moe_resident_experts, "--moe-resident-experts", type=int,
         help="mixture-of-experts models: experts per layer kept on the device; the rest stay in host memory, "
@@ -346,7 +351,8 @@ class EngineArgs:
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     pp_layer_partition=self.pp_layer_partition,
                                     max_concurrent_batches=self.max_concurrent_batches,
-                                    step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s),
+                                    step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s,
+                                    enable_expert_parallel=self.enable_expert_parallel),
             structured_outputs=StructuredOutputsConfig(compile_timeout_s=self.grammar_compile_timeout_s,
                                                        cache_size=self.grammar_cache_size),
             moe_resident_experts=self.moe_resident_experts)

@@ -279,12 +279,20 @@ _GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.wei
 _GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+               "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+               "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+# llama.cpp's architecture per model_type (Mixtral is llama with experts) and its stacked expert tensors
+_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_GGUF_EXPERTS = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
+                 "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
 
 
 def make_tiny_gguf(ckpt: str | Path, out: str | Path, quant_type: Any = None) -> Path:
-    """Write a llama GGUF (weights, metadata, tokenizer, chat template) of a tiny llama checkpoint: float32,
-    or with its matrices in `quant_type` (a gguf.GGMLQuantizationType such as Q4_0; norms stay float32)."""
+    """Write a GGUF (weights, metadata, tokenizer, chat template) of a tiny llama, Mixtral, Qwen2-MoE or Qwen3-MoE
+    checkpoint as llama.cpp lays it out: float32, or with its matrices in `quant_type` (a gguf.GGMLQuantizationType
+    such as Q4_0; norms stay float32). Experts are stacked per layer into ffn_{gate,up,down}_exps."""
     import numpy as np
     from gguf import GGUFWriter
     from gguf.quants import quantize
@@ -292,10 +300,19 @@ def make_tiny_gguf(ckpt: str | Path, out: str | Path, quant_type: Any = None) ->
 
     ckpt, out = Path(ckpt), Path(out)
     cfg = read_json(ckpt / "config.json")
-    if cfg.get("model_type") != "llama":
-        raise ValueError(f"make_tiny_gguf writes llama checkpoints only, got {cfg.get('model_type')!r}")
-    w = GGUFWriter(str(out), "llama")
+    if cfg.get("model_type") not in _GGUF_ARCH:
+        raise ValueError(f"make_tiny_gguf writes {', '.join(_GGUF_ARCH)} checkpoints, got {cfg.get('model_type')!r}")
+    arch = _GGUF_ARCH[cfg["model_type"]]
+    w = GGUFWriter(str(out), arch)
     w.add_block_count(cfg["num_hidden_layers"])
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -317,18 +334,27 @@ def make_tiny_gguf(ckpt: str | Path, out: str | Path, quant_type: Any = None) ->
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
     w.add_chat_template(CHAT_TEMPLATE)
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    tensors: dict[str, np.ndarray] = {}
     for name, t in load_file(ckpt / "model.safetensors").items():
         a = t.numpy()
+        parts = name.split(".")
+        if len(parts) == 8 and parts[4] == "experts":  # model.layers.N.<block>.experts.E.<proj>.weight
+            stacks.setdefault(f"blk.{parts[2]}.{_GGUF_EXPERTS[parts[6]]}.weight", {})[int(parts[5])] = a
+            continue
         if name in _GGUF_NAMES:
             gguf_name = _GGUF_NAMES[name]
         else:
             parts = name.split(".")  # model.layers.N.<module>.<weight|bias>
             gguf_name = f"blk.{parts[2]}.{_GGUF_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             a = llama_cpp_permute(a, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             a = llama_cpp_permute(a, cfg["num_key_value_heads"])
-        if quant_type is not None and a.ndim == 2:
+        tensors[gguf_name] = a
+    tensors.update({n: np.stack([per[e] for e in sorted(per)]) for n, per in stacks.items()})
+    for gguf_name, a in tensors.items():
+        if quant_type is not None and a.ndim >= 2 and "ffn_gate_inp" not in gguf_name:
             w.add_tensor(gguf_name, quantize(np.ascontiguousarray(a), quant_type), raw_dtype=quant_type)
         else:
             w.add_tensor(gguf_name, np.ascontiguousarray(a))

@@ -87,11 +87,20 @@ def _bandwidth(num_threads: int) -> float:
 
 
 def linear_flops_per_token(config: dict) -> float:
-    """FLOPs of one token through the decoder layers' linears (q, k, v, o, gate, up, down)."""
+    """FLOPs of one token through the decoder layers' linears (q, k, v, o, gate, up, down); in a
+    mixture-of-experts layer the router's and the token's top-k experts' (and a shared expert's)."""
+    from ecoserve.model.spec import ModelSpec
+
     h, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     d = config.get("head_dim") or h // heads
-    return layers * 2 * (h * (heads * d + 2 * kv * d) + heads * d * h + 3 * h * inter)
+    attention = h * (heads * d + 2 * kv * d) + heads * d * h
+    moe = ModelSpec.from_config(config).moe if config.get("architectures") else None
+    if moe is None:
+        return layers * 2 * (attention + 3 * h * inter)
+    sparse_mlp = h * moe.num_experts + 3 * h * (moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size)
+    num_sparse = layers - len(moe.dense_layers)
+    return 2 * (layers * attention + num_sparse * sparse_mlp + (layers - num_sparse) * 3 * h * inter)
 
 
 def attention_flops_per_token(config: dict, context: float) -> float:

@@ -25,6 +25,13 @@ from ecoserve.config import DTYPES, EngineArgs
 # A random Llama of about 125M parameters, the benchmark's reference model on CPU.
 LLAMA_125M = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                   intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048)
+# A Qwen3-MoE of 0.52B parameters with 64 experts of 256 and 8 active per token (Qwen3-30B-A3B's 128 / 8 ratio
+# of experts, and its 3/8 of hidden as expert size): each token computes what the 125M dense Qwen3 beside it
+# computes (8 x 256 = 2048 intermediate), but the model holds 4x the weights.
+QWEN3_125M = dict(LLAMA_125M, head_dim=64)
+QWEN3_MOE_520M_A125M = dict(QWEN3_125M, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+                            norm_topk_prob=True)
+RANDOM_MODELS = ("llama-125m", "qwen3-125m", "qwen3-moe-520m-a125m")  # what --random-model can write
 
 
 @dataclass
@@ -86,23 +93,31 @@ def checkpoint_dtype(dtypes: list[str]) -> str:
     return next((d for d in dtypes if d in ("bfloat16", "float16")), "float32")
 
 
-def random_llama_dir(dtype: str) -> Path:
-    name = "ecoserve-llama-125m-random" + ("" if dtype == "float32" else f"-{dtype}")
-    return Path(os.environ.get("ECOSERVE_BENCH_DIR", tempfile.gettempdir())) / name
+def _random_model_config(name: str):
+    import transformers
+
+    arch, kwargs = {"llama-125m": ("LlamaConfig", LLAMA_125M), "qwen3-125m": ("Qwen3Config", QWEN3_125M),
+                    "qwen3-moe-520m-a125m": ("Qwen3MoeConfig", QWEN3_MOE_520M_A125M)}[name]
+    return getattr(transformers, arch)(**kwargs)
 
 
-def make_random_llama(path: Path, dtype: str = "float32") -> Path:
-    """Write the 125M random Llama checkpoint in `dtype` (the same seed: the bfloat16 weights are the
-    float32 ones rounded), reusing one already there."""
+def random_model_dir(name: str, dtype: str) -> Path:
+    return Path(os.environ.get("ECOSERVE_BENCH_DIR", tempfile.gettempdir())) / (
+        f"ecoserve-{name}-random" + ("" if dtype == "float32" else f"-{dtype}"))
+
+
+def make_random_model(path: Path, name: str = "llama-125m", dtype: str = "float32") -> Path:
+    """Write the random checkpoint `name` (RANDOM_MODELS) in `dtype` (the same seed: the bfloat16 weights are
+    the float32 ones rounded), reusing one already there."""
     if (path / "config.json").exists():
         return path
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_125M), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_random_model_config(name), dtype=torch.float32)
     model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
-    _word_tokenizer(LLAMA_125M["vocab_size"]).save_pretrained(path)
+    _word_tokenizer(model.config.vocab_size).save_pretrained(path)
     return path
 
 
@@ -302,7 +317,12 @@ def ratios(results: list[Figures]) -> dict[str, float]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("throughput", help="offline throughput on a fixed random workload")
-    p.add_argument("--model", default=None, help="model dir / hub id / .gguf; default: a random 125M Llama")
+    p.add_argument("--model", default=None, help="model dir / hub id / .gguf; default: --random-model")
+    p.add_argument("--random-model", nargs="+", default=["llama-125m"], choices=RANDOM_MODELS,
+                   help="without --model: the random checkpoints to write (once, under $ECOSERVE_BENCH_DIR or the temp "
+                        "dir) and run, one after another on the same requests: a 125M Llama, a 125M Qwen3, or a "
+                        "Qwen3-MoE of 0.52B with 0.125B active; several: also each system's throughput on the first "
+                        "against the others")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len-range", type=int, nargs=2, default=(32, 512))
     p.add_argument("--output-len-range", type=int, nargs=2, default=(32, 256))
@@ -342,13 +362,46 @@ def _model_config(model: str) -> dict | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    dtypes = args.dtypes or [args.dtype]
+    stored = checkpoint_dtype(dtypes)
+    names = [None] if args.model else list(dict.fromkeys(args.random_model))
+    reports = []
+    for name in names:
+        model = args.model or str(make_random_model(random_model_dir(name, stored), name, stored))
+        if len(names) > 1:
+            print(f"\n== {name}", flush=True)
+        reports.append(run_model(model, args, dtypes))
+    report = reports[0]
+    if len(reports) > 1:
+        report = {"models": dict(zip(names, reports)), "ratios": model_ratios(names, reports)}
+        for key, value in report["ratios"].items():
+            print(f"{key}: {value:.2f}x")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def model_ratios(names: list[str], reports: list[dict]) -> dict[str, float]:
+    """Each system's output throughput on the first model against the same system and dtype on each other."""
+    out = {}
+    first = {(r["system"], r["dtype"]): r for r in reports[0]["results"]}
+    for name, report in zip(names[1:], reports[1:]):
+        for r in report["results"]:
+            base = first.get((r["system"], r["dtype"]))
+            if base:
+                out[f"{r['system']} {r['dtype']}: {names[0]} / {name} output throughput"] = \
+                    base["output_tokens_per_s"] / r["output_tokens_per_s"]
+    return out
+
+
+def run_model(model: str, args: argparse.Namespace, dtypes: list[str]) -> dict:
+    """Every run of the command on one model: prints its table, returns its JSON report."""
     import torch
 
     from ecoserve.bench import roofline
     from ecoserve.bench.profile import side_by_side
 
-    dtypes = args.dtypes or [args.dtype]
-    model = args.model or str(make_random_llama(random_llama_dir(checkpoint_dtype(dtypes)), checkpoint_dtype(dtypes)))
     config = _model_config(model)
     # the workload's ids come from a directory's vocabulary; a GGUF or hub model keeps the historical 32000
     vocab = config["vocab_size"] if config and Path(model).is_dir() else 32000
@@ -395,11 +448,7 @@ def main(args: argparse.Namespace) -> int:
     profiles = [r.profile for r in results if r.profile is not None]
     if profiles:
         print("\n" + side_by_side(profiles))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "model": model, "workload": {"requests": len(wl.prompts), "prompt_tokens": wl.num_prompt_tokens,
+    return {"model": model, "workload": {"requests": len(wl.prompts), "prompt_tokens": wl.num_prompt_tokens,
                                          "output_tokens": wl.num_output_tokens},
             "roofline": [asdict(c) for c in ceilings.values()], "results": [r.to_dict() for r in results],
-            "ratios": found}, indent=2))
-    return 0
+            "ratios": found}

@@ -38,6 +38,7 @@ class WorkerSpec:
     collective_timeout_s: float
     num_threads: int | None = 1
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
+    expert_parallel: bool = False  # --enable-expert-parallel
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def build_runner(spec: WorkerSpec, rank: int):
     tp, link = init_distributed(topo, rank, spec.port, device, spec.collective_timeout_s)
     model_spec = ModelSpec.from_dir(spec.model_path)
     start, end = spec.layer_bounds[stage]
-    shard = ShardPlan(tp_rank, topo.tp, stage, topo.pp, start, end)
+    shard = ShardPlan(tp_rank, topo.tp, stage, topo.pp, start, end, spec.expert_parallel)
     dtype = resolve_dtype(spec.dtype, device, model_spec.torch_dtype)
     model = build_model(model_spec, Path(spec.model_path), dtype, device, shard, tp, link)
     model.ensure_positions(spec.max_model_len)

@@ -24,14 +24,23 @@ import torch
 from ecoserve.cache_dir import cache_root
 from ecoserve.model.spec import ModelLoadError, supported_list
 
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's arch -> transformers' model_type
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+                "ffn_down": "mlp.down_proj",
+                # mixture of experts: the router, all experts stacked [E, rows, cols], Qwen2-MoE's shared expert
+                "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+                "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+_STACKED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(\w+_proj\.weight)$")  # split into one HF tensor per expert
+_MOE_MODULES = re.compile(r"\.mlp\.(gate|experts|shared_expert|shared_expert_gate)\.")  # kept float: see gguf_weight_types
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -82,6 +91,7 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "dtype": "float32",
     }
+    config.update(_moe_config(reader, arch, names))
     rope: dict[str, Any] = {"rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
                             "rope_type": "default"}
     scaling = _field(reader, f"{arch}.rope.scaling.type")
@@ -95,6 +105,32 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
+def _moe_config(reader: Any, arch: str, names: set[str]) -> dict[str, Any]:
+    """The config keys of a mixture-of-experts GGUF (llama.cpp stores Mixtral as arch llama with experts)."""
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if arch in _MODEL_TYPES:
+        config: dict[str, Any] = {"model_type": _MODEL_TYPES[arch], "num_experts": experts,
+                                  "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
+                                  "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
+                                  # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's
+                                  "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm",
+                                                                arch == "qwen3moe"))}
+        if arch == "qwen2moe":
+            config["shared_expert_intermediate_size"] = int(
+                _field(reader, f"{arch}.expert_shared_feed_forward_length"))
+            config["qkv_bias"] = "blk.0.attn_q.bias" in names
+        else:
+            config["attention_bias"] = "blk.0.attn_q.bias" in names
+        return config
+    if experts == 0:
+        return {}
+    if arch != "llama" or "blk.0.ffn_gate_exps.weight" not in names:
+        raise ModelLoadError(f"unsupported GGUF mixture of experts (arch {arch!r}); supported: Mixtral (arch llama with "
+                             f"ffn_*_exps tensors), qwen2moe, qwen3moe")
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+            "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count"))}
+
+
 def gguf_weight_types(reader: Any, config: dict[str, Any]) -> dict[str, int]:
     """Model module name -> GGML type, for the modules whose GGUF tensors can stay quantized.
 
@@ -106,7 +142,8 @@ def gguf_weight_types(reader: Any, config: dict[str, Any]) -> dict[str, int]:
     per_module: dict[str, set[int]] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
-        if name is not None and name.endswith(".weight") and not name.endswith("norm.weight"):
+        if name is not None and name.endswith(".weight") and not name.endswith("norm.weight") \
+                and not _MOE_MODULES.search(name):  # MoE blocks hold stacked expert weights, not Linear modules
             per_module.setdefault(module_of(name), set()).add(int(t.tensor_type))
     types = {m: ts.pop() for m, ts in per_module.items() if len(ts) == 1 and next(iter(ts)) in QUANT_TYPES}
     if config["tie_word_embeddings"] and "embed_tokens" in types:
@@ -122,7 +159,7 @@ def gguf_tensors(reader: Any, config: dict[str, Any],
 
     from ecoserve.model.quant import module_of
 
-    permute = config["model_type"] == "llama"
+    permute = config["model_type"] in ("llama", "mixtral")
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
@@ -134,6 +171,12 @@ def gguf_tensors(reader: Any, config: dict[str, Any],
         if permute and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             key = "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
             w = _unpermute(w, config[key])
+        stacked = _STACKED_EXPERTS.match(name)
+        if stacked:
+            for expert, rows in enumerate(w):
+                yield f"{stacked.group(1)}.{expert}.{stacked.group(2)}", torch.from_numpy(
+                    np.require(rows, np.float32, ["C", "W"]))
+            continue
         yield name, torch.from_numpy(np.require(w, w.dtype if w.dtype == np.uint8 else np.float32, ["C", "W"]))
 
 

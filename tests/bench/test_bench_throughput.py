@@ -111,14 +111,14 @@ def test_the_random_checkpoint_is_stored_in_the_runs_16_bit_dtype(tmp_path, monk
     assert throughput.checkpoint_dtype(["float32"]) == throughput.checkpoint_dtype(["auto"]) == "float32"
     monkeypatch.setattr(throughput, "LLAMA_125M", dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                                        num_key_value_heads=1, intermediate_size=32, vocab_size=128))
-    path = throughput.make_random_llama(tmp_path / "bf16", "bfloat16")
+    path = throughput.make_random_model(tmp_path / "bf16", "llama-125m", "bfloat16")
     config = json.loads((path / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     monkeypatch.setenv("ECOSERVE_BENCH_DIR", str(tmp_path))
-    assert throughput.random_llama_dir("float32").name == "ecoserve-llama-125m-random"
-    assert throughput.random_llama_dir("bfloat16").name == "ecoserve-llama-125m-random-bfloat16"
+    assert throughput.random_model_dir("llama-125m", "float32").name == "ecoserve-llama-125m-random"
+    assert throughput.random_model_dir("llama-125m", "bfloat16").name == "ecoserve-llama-125m-random-bfloat16"
 
 
 def test_missing_vllm_is_a_clear_error(tmp_path):
@@ -145,3 +145,29 @@ def test_ratios_compare_equal_dtypes_the_first_dtype_and_the_first_setup():
         "ecoserve pp2 bfloat16 / ecoserve pp2 float32 output throughput": 1.5,
         "ecoserve pp2 float32 / ecoserve tp1 float32 output throughput": 0.5,
     })
+
+
+def test_random_moe_against_dense_in_one_command(tmp_path, monkeypatch, capsys):
+    """--random-model with a MoE and a dense model: both run on the same requests, ratios across models."""
+    tiny = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                intermediate_size=64, vocab_size=300, max_position_embeddings=256)
+    monkeypatch.setattr(throughput, "QWEN3_125M", tiny)
+    monkeypatch.setattr(throughput, "QWEN3_MOE_520M_A125M", dict(tiny, num_experts=8, num_experts_per_tok=2,
+                                                                 moe_intermediate_size=32, norm_topk_prob=True))
+    monkeypatch.setenv("ECOSERVE_BENCH_DIR", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    throughput.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["throughput", "--random-model", "qwen3-moe-520m-a125m", "qwen3-125m",
+                              "--num-prompts", "3", "--input-len-range", "4", "9", "--output-len-range", "2", "5",
+                              "--num-threads", "1", "--no-tqdm", "--json", str(tmp_path / "out.json")])
+    assert throughput.main(args) == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    moe, dense = report["models"]["qwen3-moe-520m-a125m"], report["models"]["qwen3-125m"]
+    assert json.loads((tmp_path / "ecoserve-qwen3-moe-520m-a125m-random" / "config.json").read_text())[
+        "architectures"] == ["Qwen3MoeForCausalLM"]
+    assert moe["workload"] == dense["workload"]
+    # the MoE's active FLOPs per token: attention + router + 2 experts of 32 = the dense 64
+    assert moe["results"][0]["achieved_gflops"] * moe["results"][0]["elapsed_s"] == pytest.approx(
+        dense["results"][0]["achieved_gflops"] * dense["results"][0]["elapsed_s"], rel=0.05)
+    key = "ecoserve float32: qwen3-moe-520m-a125m / qwen3-125m output throughput"
+    assert report["ratios"][key] > 0 and key in capsys.readouterr().out

@@ -1,0 +1,91 @@
+"""Time the grouped expert compute of ecoserve.model.moe against transformers' per-expert loop, per token count.
+
+One MoE layer's routed experts (default: the benchmark's Qwen3-MoE, 64 experts of 256, hidden 768, top-8)
+over T tokens with random routing: `grouped` is `fused_experts` (sort the (token, expert) pairs by expert,
+one gate/up and one down GEMM per active expert, one index_add); `per-expert loop` is transformers'
+`Qwen3MoeExperts.forward` with the same weights (a one-hot mask per expert, torch.where, index_add per
+expert). Prints the median ms per call of each after a warm-up, the ratio, and the weight bytes the
+active experts stream per call; `--json` writes the rows. Run it on an idle machine, e.g.
+`taskset -c 0 python scripts/bench_moe_experts.py --threads 1`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from ecoserve.model.moe import fused_experts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def hf_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, w_gate_up, w_down):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(num_experts=num_experts, hidden_size=hidden, moe_intermediate_size=inter)
+    config._experts_implementation = "eager"  # the per-expert loop, not a kernel from the hub
+    experts = Qwen3MoeExperts(config).to(dtype).eval()
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(w_gate_up)
+        experts.down_proj.copy_(w_down)
+    return experts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = []
+    print(f"{args.experts} experts of {args.intermediate}, hidden {args.hidden}, top-{args.top_k}, "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"{'dtype':<10}{'tokens':>7}{'active':>8}{'grouped ms':>12}{'loop ms':>10}{'loop/grouped':>14}{'MB read':>9}")
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        w_gate_up = (0.02 * torch.randn(args.experts, 2 * args.intermediate, args.hidden)).to(dtype)
+        w_down = (0.02 * torch.randn(args.experts, args.hidden, args.intermediate)).to(dtype)
+        loop = hf_experts(args.experts, args.hidden, args.intermediate, dtype, w_gate_up, w_down)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, args.hidden).to(dtype)
+            weights, ids = torch.softmax(torch.randn(tokens, args.experts), -1).topk(args.top_k, dim=-1)
+            weights = weights.to(dtype)
+            with torch.no_grad():
+                grouped_ms = median_ms(lambda: fused_experts(x, ids, weights, w_gate_up, w_down), args.repeats)
+                loop_ms = median_ms(lambda: loop(x, ids, weights), args.repeats)
+            active = int(ids.unique().numel())
+            mb = active * 3 * args.hidden * args.intermediate * w_down.element_size() / 1e6
+            rows.append(dict(dtype=name, tokens=tokens, active_experts=active, grouped_ms=grouped_ms,
+                             loop_ms=loop_ms, weight_mb=mb))
+            print(f"{name:<10}{tokens:>7}{active:>8}{grouped_ms:>12.3f}{loop_ms:>10.3f}{loop_ms / grouped_ms:>13.2f}x"
+                  f"{mb:>9.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
