@@ -221,8 +221,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None
+    moe_resident_experts: int | None = None  # MoE: experts per layer on the device, the rest in host memory
 
     def __post_init__(self) -> None:
+        _need(self.moe_resident_experts is None or self.moe_resident_experts >= 0,
+              f"moe_resident_experts must be >= 0, got {self.moe_resident_experts}")
         _need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         _need(self.cpu_linear in CPU_LINEARS, f"cpu_linear must be one of {', '.join(CPU_LINEARS)}; "
                                               f"got {self.cpu_linear!r}")
@@ -333,6 +336,10 @@ class EngineArgs:
         _PAR.enable_expert_parallel, "--enable-expert-parallel",
         help="mixture-of-experts layers: the tensor-parallel ranks hold whole experts (experts / tp each) instead of "
              "a slice of every expert; attention stays tensor parallel")
+    moe_resident_experts: int | None = _option(
+        EngineConfig.moe_resident_experts, "--moe-resident-experts", type=int,
+        help="mixture-of-experts models: experts per layer kept on the device; the rest stay in host memory, "
+             "computed there or moved on demand as the placement policy decides (default: all on the device)")
 
     # JSON; LLM(speculative_config={...}) and SpeculativeConfig instances are kept as their JSON (see __post_init__)
     speculative_config: str | None = _option(
@@ -423,4 +430,5 @@ class EngineArgs:
                                     enable_expert_parallel=self.enable_expert_parallel),
             structured_outputs=StructuredOutputsConfig(compile_timeout_s=self.grammar_compile_timeout_s,
                                                        cache_size=self.grammar_cache_size),
-            speculative=SpeculativeConfig.parse(self.speculative_config))
+            speculative=SpeculativeConfig.parse(self.speculative_config),
+            moe_resident_experts=self.moe_resident_experts)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CUDA/NCCL check of the parallel engine: a step profile of our engine (prefill, decode and hybrid
-# steps by tokens), TP/PP correctness tests on the GPU, then the simulator experiment.
+# steps by tokens), MoE expert offload, TP/PP correctness tests on the GPU, then the simulator experiment.
 # Usage: scripts/device_check.sh [OUT_DIR] [DEVICE=cuda]
-#   DEVICE=cpu runs only the step profile (on a tiny model), to check the script path without a GPU.
+#   DEVICE=cpu runs only the step profile and the expert-pool check (tiny models), to check the script path
+#   without a GPU.
 set -euo pipefail
 OUT=${1:-${OUT:-results/device_check}}
 DEVICE=${2:-cuda}
@@ -33,6 +34,11 @@ timeout "${STEP_TIMEOUT:-300}" "$PY" scripts/profile_steps.py --model "$model_di
 echo "== $steps_out/steps.csv"; cat "$steps_out/steps.csv"
 echo "== $steps_out/step_costs.json"; cat "$steps_out/step_costs.json"; echo
 rm -rf "$model_dir"
+# MoE expert offload (--moe-resident-experts): the expert pool against every expert resident: equal
+# outputs, decode and prefill speed, hits/loads/host-computed experts, bytes moved, the measured cost table
+if [ "$DEVICE" = cpu ]; then pool_args=(--budgets 0,3 --decode-tokens 8); else pool_args=(); fi
+timeout 300 "$PY" scripts/expert_pool_check.py --device "$DEVICE" --out "$OUT" "${pool_args[@]}" 2>&1 \
+    | tee "$OUT/expert_pool.txt"
 [ "$DEVICE" = cpu ] && exit 0
 
 nvidia-smi -L | tee "$OUT/gpus.txt"

@@ -117,6 +117,13 @@ class LLMEngine:
                             weights=parallel.world_size == 1, quantization=config.quantization,
                             cpu_linear=config.cpu_linear)
         self.loaded = loaded
+        self.expert_pool = None
+        if config.moe_resident_experts is not None:  # MoE experts placed between host and device memory
+            if parallel.world_size > 1:
+                raise ValueError("--moe-resident-experts runs in a single-process instance, not under TP/PP")
+            from ecoserve.model.expert_pool import ExpertPool
+
+            self.expert_pool = ExpertPool.attach(loaded.model, config.moe_resident_experts)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)

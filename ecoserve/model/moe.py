@@ -144,8 +144,12 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out if self.tp is None else self.tp.all_reduce(out)
 
+    expert_pool = None  # model/expert_pool.py's placement of this block's experts (--moe-resident-experts)
+
     def experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's (partial) routed-expert output; the seam an expert pool replaces to place weights."""
+        if self.expert_pool is not None:
+            return self.expert_pool(x, expert_ids, weights)
         return fused_experts(x, expert_ids, weights, self.w_gate_up, self.w_down, self.shard.first_expert)
 
     # checkpoint names inside the block -> (our stacked parameter, which half of gate_up: 0 gate, 1 up; -1 down)

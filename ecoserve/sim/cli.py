@@ -9,6 +9,8 @@ from pathlib import Path
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     import ecoserve.sim.tdpipe_experiment  # noqa: F401  (registers the "tdpipe" experiment)
+    import ecoserve.sim.moe_experiment  # noqa: F401  (registers the "moe_offload" experiment)
+    from ecoserve.sim.moe import PLACEMENTS
     from ecoserve.cluster.router import ROUTER_MODES
     from ecoserve.sim.experiments import EXPERIMENTS
     from ecoserve.sim.hardware import GPUS, LINKS
@@ -67,8 +69,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="run: write a PNG of the cluster timeline (phase per instance, prefill windows, "
                         "routed requests) at PATH")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: the TP ranks split the experts (all-to-all) instead of slicing each one")
+    p.add_argument("--moe-resident-experts", type=int, default=None,
+                   help="MoE models: experts per layer kept on the GPUs, the rest offloaded to host memory "
+                        "(default: all on the GPUs)")
+    p.add_argument("--expert-skew", type=float, default=0.0,
+                   help="MoE offload: Zipf exponent of expert popularity (default 0: uniform routing)")
+    p.add_argument("--expert-placement", default="aptmoe", choices=PLACEMENTS,
+                   help="MoE offload: misses per the APTMoE policy, all loaded over PCIe, or all computed on the host")
     p.set_defaults(func=main)
     return p
+
+
+def _moe_knobs(args: argparse.Namespace) -> dict:
+    """The performance model's MoE options from the flags (none when they keep their defaults)."""
+    knobs = {"expert_parallel": True} if args.enable_expert_parallel else {}
+    if args.moe_resident_experts is not None:
+        knobs.update(moe_resident_experts=args.moe_resident_experts, expert_skew=args.expert_skew,
+                     expert_placement=args.expert_placement)
+    return knobs
 
 
 def main(args: argparse.Namespace) -> int:
@@ -103,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
     ttft, tpot = args.ttft_slo or ds.ttft_slo, args.tpot_slo or ds.tpot_slo
     spec = ClusterSpec(model=args.model, gpu=GPUS.get(args.gpu).name, tp=args.tp, num_instances=args.num_instances,
                        network=args.network, profile=args.profile, speculation=_speculation(args),
+                       perf_knobs=_moe_knobs(args),
                        **({"profile_tokens": _token_counts(args.profile_tokens)} if args.profile_tokens else {}))
     wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
                                                              seed=args.seed, arrival=args.arrival, cv=args.cv)

@@ -10,6 +10,9 @@ Numbers are peak (datasheet) values; the performance model applies efficiencies 
 - PCIe: PCI-SIG base specifications (4.0 x16: 31.5 GB/s per direction; 5.0 x16: 63 GB/s).
 - NVLink: NVIDIA A100 (NVLink 3, 300 GB/s per direction) and H100 (NVLink 4, 450 GB/s) datasheets.
 - Ethernet: IEEE 802.3 line rates; RoCE / InfiniBand NDR: NVIDIA ConnectX-7 / Quantum-2 briefs.
+- Host CPUs (where offloaded experts live): Intel ARK (Xeon Gold 6348: 28 cores at 2.6 GHz, two
+  AVX-512 FMA units -> 32 FP32 FLOP/cycle/core, 8 channels of DDR4-3200 = 204.8 GB/s; Xeon Platinum
+  8480+: 56 cores at 2.0 GHz, AMX BF16 ~1024 FLOP/cycle/core, 8 channels of DDR5-4800 = 307 GB/s).
 Latencies are typical one-way figures (our estimate), not datasheet values.
 """
 from __future__ import annotations
@@ -42,7 +45,19 @@ class Link:
     efficiency: float = 0.8  # achievable fraction of the line rate
 
 
+@dataclass(frozen=True)
+class CPU:
+    """One host socket, where offloaded expert weights live and may be computed."""
+
+    name: str
+    flops: float  # FLOP/s, peak, in the dtype experts run at on the host
+    mem_bandwidth: float  # bytes/s, peak
+    flops_efficiency: float = 0.5  # assumed: small GEMMs on many cores
+    bandwidth_efficiency: float = 0.7  # assumed: STREAM-like fraction of peak
+
+
 GPUS: Registry[GPU] = Registry("GPU")
+CPUS: Registry[CPU] = Registry("CPU")
 LINKS: Registry[Link] = Registry("link")
 
 for _gpu in (
@@ -68,6 +83,17 @@ for _link in (
     Link("ib400", 50 * GB, 2e-6, efficiency=0.9),
 ):
     LINKS.add(_link.name, _link)
+
+
+for _cpu in (
+    CPU("xeon-6348", 28 * 2.6e9 * 32, 204.8 * GB),
+    CPU("xeon-8480", 56 * 2.0e9 * 1024, 307.2 * GB),
+):
+    CPUS.add(_cpu.name, _cpu)
+
+
+def cpu(name: str) -> CPU:
+    return CPUS.get(name)
 
 
 def gpu(name: str) -> GPU:

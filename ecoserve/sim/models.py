@@ -1,7 +1,9 @@
 """Model catalogue: sizes, FLOPs and KV bytes from Hugging Face-style config fields.
 
-The entries below restate the public `config.json` fields of each model (dense decoder-only,
-SwiGLU MLP, RMSNorm); any other local `config.json` of that family loads with `from_hf_config`.
+The entries below restate the public `config.json` fields of each model (decoder-only, SwiGLU MLP or
+mixture of SwiGLU experts, RMSNorm); any other local `config.json` of these families loads with
+`from_hf_config`. A mixture-of-experts spec counts all experts in its total parameters (memory) and
+`num_experts_per_tok` of them in its active parameters (FLOPs per token).
 """
 from __future__ import annotations
 
@@ -25,17 +27,50 @@ class ModelSpec:
     qkv_bias: bool = False
     dtype_bytes: int = 2  # bf16
     max_model_len: int = 4096
+    # mixture of experts (0: a dense MLP of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
+    explicit_head_dim: int = 0  # config's head_dim where it is not hidden_size / num_heads (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's parameters (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def expert_bytes(self) -> float:
+        return self.expert_params * self.dtype_bytes
+
+    @property
+    def dense_params_per_layer(self) -> int:
+        """A layer's parameters outside the routed experts: attention, norms, and the dense MLP or the
+        router and shared expert."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        if not self.is_moe:
+            return attn + 3 * h * self.intermediate_size + 2 * h
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        return attn + h * self.num_experts + shared + 2 * h
 
     @property
     def params_per_layer(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = h * (h + 2 * kv) + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        return attn + mlp + 2 * h
+        """All of a layer's parameters (every expert): what memory holds."""
+        return self.dense_params_per_layer + self.num_experts * self.expert_params
+
+    @property
+    def active_params_per_layer(self) -> int:
+        """The parameters one token uses in a layer: what its FLOPs follow."""
+        return self.dense_params_per_layer + self.num_experts_per_tok * self.expert_params
 
     @property
     def num_params(self) -> int:
@@ -55,8 +90,15 @@ class ModelSpec:
 
     @property
     def linear_flops_per_token(self) -> float:
-        """2 x (layer weights): the matmul FLOPs of one token through all layers (LM head excluded)."""
-        return 2.0 * self.num_layers * self.params_per_layer
+        """2 x (active layer weights): the matmul FLOPs of one token through all layers (LM head excluded)."""
+        return 2.0 * self.num_layers * self.active_params_per_layer
+
+    def experts_touched(self, num_tokens: float) -> float:
+        """Expected distinct experts a layer runs for a batch of `num_tokens` under uniform routing."""
+        if not self.is_moe or num_tokens <= 0:
+            return 0.0
+        e = self.num_experts
+        return e * (1.0 - (1.0 - self.num_experts_per_tok / e) ** num_tokens)
 
     @property
     def lm_head_flops(self) -> float:
@@ -92,7 +134,21 @@ def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2",
         max_model_len=cfg.get("max_position_embeddings", 4096),
+        **_moe_fields(cfg, heads),
     )
+
+
+def _moe_fields(cfg: dict, heads: int) -> dict:
+    """The expert fields of a Mixtral (`num_local_experts`) or Qwen2/3-MoE (`num_experts`) config."""
+    extra = {}
+    if cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
+        extra["explicit_head_dim"] = cfg["head_dim"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not experts:
+        return extra
+    return {**extra, "num_experts": experts, "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0}
 
 
 def load_config(path: str | Path, name: str | None = None) -> ModelSpec:
@@ -116,6 +172,12 @@ _llama("llama-2-13b", 5120, 40, 40, 40, 13824, max_len=4096)
 _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, vocab=152064, max_len=32768, qwen=True)
 _llama("llama-3-8b", 4096, 32, 32, 8, 14336, vocab=128256, max_len=8192)
 _llama("llama-3-70b", 8192, 80, 64, 8, 28672, vocab=128256, max_len=8192)
+# mixtures of experts (public config.json fields)
+MODELS.add("mixtral-8x7b", ModelSpec("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, max_model_len=32768,
+                                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336))
+MODELS.add("qwen3-30b-a3b", ModelSpec("qwen3-30b-a3b", 2048, 48, 32, 4, 6144, 151936, max_model_len=40960,
+                                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                      explicit_head_dim=128))
 
 
 def model(name_or_path: str) -> ModelSpec:

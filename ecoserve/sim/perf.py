@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from ecoserve.cluster.profile import StepTimeTable
-from ecoserve.sim.hardware import GPU, Link, gpu as get_gpu, link as get_link
+from ecoserve.sim.hardware import GPU, Link, cpu as get_cpu, gpu as get_gpu, link as get_link
 from ecoserve.sim.models import ModelSpec, model as get_model
+from ecoserve.sim.moe import MoEPerf
 from ecoserve.sim.network import allreduce_time
 
 
@@ -98,6 +99,15 @@ class RooflinePerf(_Base):
     # link's ring model, 2(tp-1) hops of its latency (12 us at TP=4 on `pcie4`).
     allreduce_latency_s: float | None = None
     step_costs: StepTypeCosts = StepTypeCosts()
+    # mixture of experts (sim/moe.py): experts split over the TP ranks, all-to-all over `ep_link` (None: `link`);
+    # `moe_resident_experts` per layer on the GPUs, the rest in `host` memory behind `host_link`
+    expert_parallel: bool = False
+    ep_link: Link | None = None
+    moe_resident_experts: int | None = None
+    host: str = "xeon-6348"
+    host_link: Link | None = None  # None: the GPU's intra-node link (PCIe)
+    expert_skew: float = 0.0
+    expert_placement: str = "aptmoe"
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -120,6 +130,22 @@ class RooflinePerf(_Base):
         self._per_gpu_weights = self.model.weight_bytes / n
         self._linear_flops_per_token = self.model.linear_flops_per_token  # properties: read once, not per step
         self._lm_head_flops = self.model.lm_head_flops
+        self._moe = self._moe_perf() if self.model.is_moe else None
+        if self._moe is not None:  # the experts' share comes per step, by the experts the batch touches
+            m = self.model
+            self._linear_flops_per_token = 2.0 * m.num_layers * m.dense_params_per_layer
+            self._weight_s = (m.streamed_weight_bytes - m.num_layers * m.num_experts * m.expert_bytes) / self._bw
+        elif self.expert_parallel or self.moe_resident_experts is not None:
+            raise ValueError(f"{self.model.name} is not a mixture of experts: no expert parallel or offload")
+
+    def _moe_perf(self) -> MoEPerf:
+        link = lambda x, default: get_link(x) if isinstance(x, str) else (x or default)
+        self.ep_link = link(self.ep_link, self.link)
+        self.host_link = link(self.host_link, get_link(self.gpu.intra_node_link))
+        return MoEPerf(self.model, self.gpu, self.tp, self._flops, self._bw, self.tiled_tokens,
+                       expert_parallel=self.expert_parallel, ep_link=self.ep_link,
+                       resident_experts=self.moe_resident_experts, host=get_cpu(self.host), pcie=self.host_link,
+                       expert_skew=self.expert_skew, placement=self.expert_placement)
 
     def tiled_tokens(self, n: int) -> int:
         if n <= self.small_tile:
@@ -134,13 +160,19 @@ class RooflinePerf(_Base):
                  + self._attn_flops_per_pair * w.attn_pairs)
         t_compute = flops / self._flops
         t_memory = self._weight_s + (w.kv_read_tokens + w.num_tokens) * self._kv_bytes / self._bw
+        moe = self._moe
+        if moe is not None:
+            t_compute += moe.expert_flops(w.num_tokens) / self._flops
+            t_memory += moe.expert_read_bytes(w.num_tokens) / self._bw
         p = self.overlap_p
         t = (t_compute ** p + t_memory ** p) ** (1.0 / p) if math.isfinite(p) else max(t_compute, t_memory)
-        if self.tp > 1:  # two all-reduces per layer of the step's activations
+        if self.tp > 1:  # two all-reduces per layer of the step's activations (one with expert parallel)
             per_call = allreduce_time(w.num_tokens * self._act_bytes_per_token, self.tp, self.link)
             if self.allreduce_latency_s is not None:
                 per_call += self.allreduce_latency_s - 2 * (self.tp - 1) * self.link.latency
-            t += 2 * m.num_layers * per_call
+            t += (1 if self.expert_parallel else 2) * m.num_layers * per_call
+        if moe is not None:
+            t += moe.all_to_all_s(w.num_tokens) + moe.offload_s(w.num_tokens)
         if self.pp > 1:
             lk = self.pp_link
             t += (self.pp - 1) * (lk.latency + w.num_tokens * self._act_bytes_per_token / (lk.bandwidth * lk.efficiency))
@@ -151,6 +183,8 @@ class RooflinePerf(_Base):
     def kv_capacity_tokens(self) -> int:
         """KV tokens that fit: 90% of the instance's memory minus the weights."""
         free = 0.9 * self.gpu.memory_bytes * self.tp * self.pp - self.model.weight_bytes
+        if self._moe is not None:  # offloaded experts live in host memory
+            free += self._moe.offloaded_bytes
         return max(int(free / self.model.kv_bytes_per_token), 0)
 
 
