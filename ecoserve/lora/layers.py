@@ -62,7 +62,12 @@ class LoRAStep:
 
 
 class LoRALinear(nn.Module):
-    """A base linear plus the LoRA of whichever slot each row's request uses."""
+    """A base linear plus the LoRA of whichever slot each row's request uses.
+
+    Per slot, A holds the adapter's slices' rows one after another (n_slices * r rows, r its own rank) and B^T
+    is block-diagonal over them ([n_slices * r, out]: slice i's rows feed only slice i's columns), so a
+    segment costs two GEMMs whatever the number of slices: on CPU the calls, not the zeros, are the cost.
+    """
 
     def __init__(self, base: nn.Module, layer: int, shape: ModuleShape, num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, step: LoRAStep) -> None:
@@ -74,58 +79,51 @@ class LoRALinear(nn.Module):
         self.out_features = sum(shape.slice_sizes)
         self.register_buffer("lora_a", torch.zeros(num_slots, n * max_rank, shape.in_features, dtype=dtype,
                                                    device=device), persistent=False)
-        for i, size in enumerate(shape.slice_sizes):
-            self.register_buffer(f"lora_bt{i}", torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device),
-                                 persistent=False)
-        self.lora_bt = [getattr(self, f"lora_bt{i}") for i in range(n)]
-        # per slot: which output slices the slot's adapter adapts (none: the module is skipped for it)
-        self.present: list[tuple[bool, ...]] = [(False,) * n for _ in range(num_slots)]
+        self.register_buffer("lora_bt", torch.zeros(num_slots, n * max_rank, self.out_features, dtype=dtype,
+                                                    device=device), persistent=False)
+        self.adapted = [False] * num_slots  # the slot's adapter adapts this module (else it is skipped)
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, list[torch.Tensor | None]] | None, rank: int,
                   non_blocking: bool = False) -> None:
         """Copy one adapter's weights of this module into `slot` (None: the adapter does not adapt it)."""
         if weights is None:
-            self.present[slot] = (False,) * len(self.lora_bt)
+            self.adapted[slot] = False
             return
         a, bts = weights
-        self.lora_a[slot, :a.shape[0]].copy_(a, non_blocking=non_blocking)
-        for dst, bt in zip(self.lora_bt, bts):
+        rows = len(bts) * rank
+        self.lora_a[slot, :rows].copy_(a, non_blocking=non_blocking)
+        b = self.lora_bt[slot, :rows]
+        b.zero_()
+        for i, bt in enumerate(bts):
             if bt is not None:
-                dst[slot, :rank].copy_(bt, non_blocking=non_blocking)
-        self.present[slot] = tuple(bt is not None for bt in bts)
+                o = self.offsets[i]
+                b[i * rank:(i + 1) * rank, o:o + self.slice_sizes[i]].copy_(bt, non_blocking=non_blocking)
+        self.adapted[slot] = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        segments = self.step.segments
+        step = self.step
+        segments = step.segments
         if not segments:
             return y
-        step, layer = self.step, self.layer
+        layer, ready, n = self.layer, step.ready, len(self.slice_sizes)
         for seg in segments:
             slot = seg.slot
-            step.wait(slot, layer)
-            present = self.present[slot]
-            if not any(present):
+            if ready[slot] <= layer or step.layer_events[slot]:
+                step.wait(slot, layer)
+            if not self.adapted[slot]:
                 continue
-            r = seg.rank
-            a = self.lora_a[slot, :len(present) * r]
+            k = n * seg.rank
             rows = seg.rows
             if isinstance(rows, slice):  # one contiguous run: updated in place
-                xs, target = x[rows], y[rows]
+                y[rows].addmm_(torch.mm(x[rows], self.lora_a[slot, :k].t()), self.lora_bt[slot, :k])
             else:
-                xs = x.index_select(0, rows)
-                target = torch.zeros(xs.shape[0], self.out_features, dtype=y.dtype, device=y.device)
-            h = torch.mm(xs, a.t())
-            for i, bt in enumerate(self.lora_bt):
-                if present[i]:
-                    o = self.offsets[i]
-                    target[:, o:o + self.slice_sizes[i]].addmm_(h[:, i * r:(i + 1) * r], bt[slot, :r])
-            if not isinstance(rows, slice):
-                y.index_add_(0, rows, target)
+                h = torch.mm(x.index_select(0, rows), self.lora_a[slot, :k].t())
+                y.index_add_(0, rows, torch.mm(h, self.lora_bt[slot, :k]))
         return y
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, slots={self.lora_a.shape[0]}, max_rank={self.lora_bt[0].shape[1]}, " \
-               f"slices={self.slice_sizes}"
+        return f"layer={self.layer}, slots={self.lora_a.shape[0]}, slices={self.slice_sizes}"
 
 
 def model_targets(model: nn.Module, model_name: str) -> LoRATargets:
