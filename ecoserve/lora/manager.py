@@ -138,7 +138,8 @@ class LoRAManager:
             offset += n
         step = self.step
         if not needed:
-            step.segments = []
+            if step.segments:
+                step.set_segments([], 0)
             return
         segments = []
         for lora_id, lora in needed.items():
@@ -152,7 +153,8 @@ class LoRAManager:
         if not self.layerwise:
             for seg in segments:
                 step.wait(seg.slot, self.targets.num_layers - 1)
-        step.segments = segments
+        segments.sort(key=lambda seg: seg.slot)
+        step.set_segments(segments, offset)
 
     def _host_rank(self, slot: int) -> int:
         job = self._slot_jobs[slot]

@@ -41,13 +41,18 @@ def assert_same(got, want):
         assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
 
 
-def test_four_adapters_and_base_in_one_batch_equal_each_alone(setup):
+@pytest.mark.parametrize("path", ["stacked", "per_slot"])
+def test_four_adapters_and_base_in_one_batch_equal_each_alone(setup, path):
     base, loras = setup
     ps = prompts(10, seed=3, min_len=3, max_len=50)
     # interleaved: the same adapter's rows are not contiguous (gathered segments) and base rows sit between
     order = [loras[0], None, loras[1], loras[2], loras[0], loras[3], None, loras[1], loras[3], loras[2]]
     jobs = list(zip(ps, order))
     llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=16, max_num_batched_tokens=512)
+    if path == "per_slot":  # one GEMM pair per slot in every module, whatever the widths
+        for layer in llm.llm_engine.lora.wrapped:
+            for module in layer.values():
+                module.stack_limit = 0
     assert_same(run(llm, jobs), alone(base, jobs))
     stats = llm.llm_engine.lora_stats()
     assert stats.max_lora == 4 and stats.num_slot_loads == 4 and stats.num_slot_evictions == 0
