@@ -72,18 +72,19 @@ class LoRAStep:
             self._masks[width] = mask
         return mask
 
-    def wait(self, slot: int, layer: int) -> None:
-        """Block until layer `layer` of `slot` is resident (the loader runs ahead on its own thread)."""
+    def wait(self, slot: int, layer: int) -> bool:
+        """Block until layer `layer` of `slot` is resident (the loader runs ahead on its own thread); False if
+        its load failed (the slot's rows then run without LoRA and the engine fails their requests)."""
         if self.ready[slot] <= layer:
             with self.changed:
                 while self.ready[slot] <= layer and self.failed[slot] is None:
                     self.changed.wait()
-            error = self.failed[slot]
-            if error is not None and self.ready[slot] <= layer:
-                raise RuntimeError(f"loading the LoRA adapter of slot {slot} failed: {error}") from error
+            if self.ready[slot] <= layer:
+                return False
         events = self.layer_events[slot]
         if events:  # a GPU: the compute stream waits for the copy stream's event of this layer only
             torch.cuda.current_stream().wait_event(events[layer])
+        return True
 
 
 class LoRALinear(nn.Module):
@@ -138,8 +139,8 @@ class LoRALinear(nn.Module):
             return self._stacked(x, y, segments, n * step.max_rank)
         for seg in segments:
             slot = seg.slot
-            if ready[slot] <= layer or step.layer_events[slot]:
-                step.wait(slot, layer)
+            if (ready[slot] <= layer or step.layer_events[slot]) and not step.wait(slot, layer):
+                continue
             if not self.adapted[slot]:
                 continue
             k = n * seg.rank
@@ -157,8 +158,10 @@ class LoRALinear(nn.Module):
         the module's own (in + out): the wasted FLOPs then cost less than a GEMM pair per slot."""
         step = self.step
         for seg in segments:
-            if step.ready[seg.slot] <= self.layer or step.layer_events[seg.slot]:
-                step.wait(seg.slot, self.layer)
+            slot = seg.slot
+            if (step.ready[slot] <= self.layer or step.layer_events[slot]) and not step.wait(slot, self.layer):
+                self.lora_a[slot].zero_()  # a failed load: its rows get no LoRA (their requests fail)
+                self.lora_bt[slot].zero_()
         slots = [seg.slot for seg in segments]
         if slots == list(range(slots[0], slots[0] + len(slots))) and width == self.lora_a.shape[1]:
             a = self.lora_a[slots[0]:slots[-1] + 1].flatten(0, 1)

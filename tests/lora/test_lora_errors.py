@@ -96,3 +96,26 @@ def test_lora_off_or_parallel_is_refused(setup):
         LLM(str(base), enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM(str(base), enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_adapter_broken_after_registration_fails_its_requests_alone(setup, tmp_path):
+    base, good, _, llm = setup
+    fragile = tmp_path / "fragile"
+    shutil.copytree(good.lora_path, fragile)
+    lora = LoRARequest("fragile", 7, str(fragile))
+    engine = llm.llm_engine
+    p = prompts(1, seed=3)[0]
+    engine.add_request("broken", {"prompt_token_ids": p}, GREEDY, lora_request=lora)  # validated: header read
+    (fragile / "adapter_model.safetensors").write_bytes(b"\0" * 64)  # its weights break before they are read
+    engine.add_request("good", {"prompt_token_ids": p}, GREEDY, lora_request=good)
+    engine.add_request("base", {"prompt_token_ids": p}, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    failed = engine.take_failed()
+    assert set(failed) == {"broken"} and "could not be loaded" in str(failed["broken"])
+    assert done["good"] == peft_greedy(base, good.lora_path, p, 6)[0]
+    assert set(done) == {"good", "base"}
+    assert all(r.lora_name != "fragile" for r in engine.list_loras())
