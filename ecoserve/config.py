@@ -203,6 +203,24 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving: `max_loras` adapters in one batch (device slots), ranks up to `max_lora_rank`,
+    `max_cpu_loras` adapters kept in host memory (None: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _need(self.max_cpu_loras >= self.max_loras,
+              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+@dataclass
 class EngineConfig:
     """Everything `LLM(...)` / `ecoserve serve` accept."""
 
@@ -222,6 +240,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None
     moe_resident_experts: int | None = None  # MoE: experts per layer on the device, the rest in host memory
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (--enable-lora turns them on)
 
     def __post_init__(self) -> None:
         _need(self.moe_resident_experts is None or self.moe_resident_experts >= 0,
@@ -257,6 +276,7 @@ def _layer_counts_flag(text: str) -> tuple[int, ...]:
 
 _SCHED, _CACHE, _PAR = SchedulerConfig, CacheConfig, ParallelConfig  # the defaults live in the typed configs
 _STRUCT = StructuredOutputsConfig
+_LORA = LoRAConfig
 
 
 @dataclass
@@ -352,6 +372,13 @@ class EngineArgs:
         if isinstance(self.speculative_config, (dict, SpeculativeConfig)):
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config).to_json()
 
+    enable_lora: bool = _option(False, "--enable-lora", help="serve LoRA adapters on top of the model")
+    max_loras: int = _option(_LORA.max_loras, "--max-loras", type=int, help="LoRA adapters in one batch")
+    max_lora_rank: int = _option(_LORA.max_lora_rank, "--max-lora-rank", type=int,
+                                 help="the highest LoRA rank accepted")
+    max_cpu_loras: int | None = _option(_LORA.max_cpu_loras, "--max-cpu-loras", type=int,
+                                        help="LoRA adapters cached in host memory (default: --max-loras)")
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
         """Add a flag for each field; a command that gives one its own meaning lists it in `skip`."""
@@ -431,4 +458,6 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig(compile_timeout_s=self.grammar_compile_timeout_s,
                                                        cache_size=self.grammar_cache_size),
             speculative=SpeculativeConfig.parse(self.speculative_config),
-            moe_resident_experts=self.moe_resident_experts)
+            moe_resident_experts=self.moe_resident_experts,
+            lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None)

@@ -69,9 +69,10 @@ def test_every_field_reaches_the_typed_config():
     args = every_field_set()
     config = args.create_engine_config()
     flat = {k: v for k, v in vars(config).items() if not dataclasses.is_dataclass(v)}
-    for part in (config.cache, config.scheduler, config.parallel, config.structured_outputs):
+    for part in (config.cache, config.scheduler, config.parallel, config.structured_outputs, config.lora):
         flat.update(vars(part))
     assert config.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    flat["enable_lora"] = config.lora is not None
     for f in FIELDS:
         if f.name != "speculative_config":
             assert flat[RENAMED.get(f.name, f.name)] == getattr(args, f.name), f.name

@@ -12,6 +12,7 @@ rank of a parallel instance samples constrained rows exactly as the single proce
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,12 +23,18 @@ from ecoserve.engine.sampler import Sampler, SamplingRow, make_generator, prompt
 from ecoserve.engine.spec_decode import verify
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 
+if TYPE_CHECKING:
+    from ecoserve.lora import LoRAManager
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None) -> None:
-        """`kv_cache_dtype`: the KV cache's element type (None: the model's dtype)."""
+                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None,
+                 lora: "LoRAManager | None" = None) -> None:
+        """`kv_cache_dtype`: the KV cache's element type (None: the model's dtype). `lora`: the engine's
+        `ecoserve.lora.LoRAManager` (its modules wrap the model's) or None."""
         self.model = model
+        self.lora = lora
         self.device = torch.device(device)
         cache_dtype = kv_cache_dtype or model.dtype
         self.kv_cache = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
@@ -83,6 +90,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(s, s + n) for s, n, _, _ in spans]).to(self.device)
         self.attention.meta = self.attention.build_metadata(spans)
+        if self.lora is not None:  # each token's adapter slot, as the attention metadata
+            self.lora.begin_step(batch.chunks)
         hidden = self.model(input_ids, positions, self.attention)
         self.attention.meta = None
 
