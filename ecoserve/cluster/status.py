@@ -48,6 +48,7 @@ class InstanceStatus:
     max_num_seqs: int = 1 << 30
     window_open: bool = False
     window_start: float | None = None  # None: no window was ever commanded
+    loras: tuple[str, ...] = ()  # the LoRA adapters loaded on the instance (registered, ready to run)
 
     @property
     def num_requests(self) -> int:
@@ -58,11 +59,26 @@ class InstanceStatus:
         return self.max_num_seqs - self.num_running - self.num_waiting
 
 
+def holds_adapter(st: InstanceStatus, lora_name: str, prompt_len: int) -> bool:
+    """Adapter affinity: `st` holds the adapter and has room for the request (a seat and its prompt's KV)."""
+    return lora_name in st.loras and st.free_seats >= 1 and st.free_kv_tokens >= prompt_len
+
+
+def prefer_holders(candidates: list[int], lora_name: str | None, prompt_len: int, status_of: "StatusOf") -> list[int]:
+    """The candidates that hold `lora_name` with room for the request (in the given order); all of them when
+    none does or the request runs on the base model."""
+    if lora_name is None:
+        return candidates
+    holders = [i for i in candidates if holds_adapter(status_of(i), lora_name, prompt_len)]
+    return holders or candidates
+
+
 StatusOf = Callable[[int], InstanceStatus]  # a driver's reader of the freshest status of an instance
 
 
-def instance_status(instance_id: int, sched: "Scheduler") -> InstanceStatus:
-    """Snapshot a scheduler: running requests first, then queued ones (with their KV still to come)."""
+def instance_status(instance_id: int, sched: "Scheduler", loras: tuple[str, ...] = ()) -> InstanceStatus:
+    """Snapshot a scheduler: running requests first, then queued ones (with their KV still to come);
+    `loras`: the adapters the instance holds."""
     win = sched.window
     tas = win.tokens_at_open
     reqs = [RequestState(r.request_id, r.times.arrival, len(r.prompt_token_ids), r.times.first_token,
@@ -79,4 +95,4 @@ def instance_status(instance_id: int, sched: "Scheduler") -> InstanceStatus:
                           start if start is not None else sched.created_at, tuple(reqs),
                           kv.num_free_blocks * bs - queued, kv.num_blocks * bs,
                           len(sched.running), len(sched.waiting), sched.config.max_num_seqs,
-                          win.is_open and start is not None, start)
+                          win.is_open and start is not None, start, loras)

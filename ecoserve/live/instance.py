@@ -254,7 +254,7 @@ class InstanceLoop:
 
     def _send_status(self) -> None:
         self._status_seq += 1
-        st = instance_status(self.instance_id, self.engine.scheduler)
+        st = instance_status(self.instance_id, self.engine.scheduler, self.engine.resident_loras())
         self.send(m.Status(self._status_seq, self._last_dispatch, st))
 
     def _drain_commands(self) -> bool:

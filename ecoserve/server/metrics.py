@@ -7,9 +7,11 @@ clock, in seconds).
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ecoserve.request import RequestOutput
 
@@ -42,6 +44,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         for collector in engine.metrics_collectors(model_name, prefix):
             self.registry.register(collector)
+        self.registry.register(LoRACollector(engine, model_name, prefix))
         self.model_name = model_name
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -137,3 +140,28 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoRACollector:
+    """vLLM's `lora_requests_info` (labels: the running and the waiting adapters, comma-separated, and
+    max_lora; value: when it was read, a Unix time) and counters of adapter loads and evictions, read from
+    the engine client's `lora_stats()` at scrape time; no series without --enable-lora."""
+
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str) -> None:
+        self.engine, self.model_name, self.prefix = engine, model_name, prefix
+
+    def collect(self):
+        stats = self.engine.lora_stats() if hasattr(self.engine, "lora_stats") else None
+        if stats is None:
+            return
+        info = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([self.model_name, ",".join(stats.running), ",".join(stats.waiting), str(stats.max_lora)],
+                        time.time())
+        yield info
+        for name, doc, value in (("lora_adapter_loads", "LoRA adapters loaded into a batch slot.", stats.loads),
+                                 ("lora_adapter_evictions", "LoRA adapters evicted from a batch slot.",
+                                  stats.evictions)):
+            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
