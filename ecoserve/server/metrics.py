@@ -144,8 +144,16 @@ class ServerMetrics:
 
 class LoRACollector:
     """vLLM's `lora_requests_info` (labels: the running and the waiting adapters, comma-separated, and
-    max_lora; value: when it was read, a Unix time) and counters of adapter loads and evictions, read from
-    the engine client's `lora_stats()` at scrape time; no series without --enable-lora."""
+    max_lora; value: when it was read, a Unix time) and counters of adapter loads and evictions (into host
+    memory, and into the batch's device slots), read from the engine client's `lora_stats()` (a
+    `ecoserve.lora.LoRAStats`) at scrape time; no series without --enable-lora."""
+
+    COUNTERS = (("lora_adapter_loads", "LoRA adapters read from disk into host memory.", "num_loads"),
+                ("lora_adapter_evictions", "LoRA adapters dropped from host memory (--max-cpu-loras).",
+                 "num_evictions"),
+                ("lora_slot_loads", "LoRA adapters loaded into a device slot of the batch.", "num_slot_loads"),
+                ("lora_slot_evictions", "LoRA adapters that lost their device slot to another (--max-loras).",
+                 "num_slot_evictions"))
 
     def __init__(self, engine: EngineClient, model_name: str, prefix: str) -> None:
         self.engine, self.model_name, self.prefix = engine, model_name, prefix
@@ -156,12 +164,10 @@ class LoRACollector:
             return
         info = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on LoRA requests.",
                                  labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-        info.add_metric([self.model_name, ",".join(stats.running), ",".join(stats.waiting), str(stats.max_lora)],
-                        time.time())
+        info.add_metric([self.model_name, ",".join(stats.running_lora_adapters),
+                         ",".join(stats.waiting_lora_adapters), str(stats.max_lora)], time.time())
         yield info
-        for name, doc, value in (("lora_adapter_loads", "LoRA adapters loaded into a batch slot.", stats.loads),
-                                 ("lora_adapter_evictions", "LoRA adapters evicted from a batch slot.",
-                                  stats.evictions)):
+        for name, doc, attr in self.COUNTERS:
             c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], value)
+            c.add_metric([self.model_name], getattr(stats, attr))
             yield c
