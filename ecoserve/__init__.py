@@ -1,8 +1,8 @@
 """EcoServe: LLM serving for commodity GPU clusters."""
-from ecoserve.request import CompletionOutput, RequestOutput
+from ecoserve.request import CompletionOutput, LoRARequest, RequestOutput
 from ecoserve.sampling import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -139,6 +139,24 @@ class StructuredOutputsConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving: `max_loras` adapters in one batch (device slots), ranks up to `max_lora_rank`,
+    `max_cpu_loras` adapters kept in host memory (None: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _need(self.max_cpu_loras >= self.max_loras,
+              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+@dataclass
 class EngineConfig:
     """Everything `LLM(...)` / `ecoserve serve` accept."""
 
@@ -156,6 +174,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (--enable-lora turns them on)
 
     def __post_init__(self) -> None:
         _need(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
@@ -189,6 +208,7 @@ def _layer_counts_flag(text: str) -> tuple[int, ...]:
 
 _SCHED, _CACHE, _PAR = SchedulerConfig, CacheConfig, ParallelConfig  # the defaults live in the typed configs
 _STRUCT = StructuredOutputsConfig
+_LORA = LoRAConfig
 
 
 @dataclass
@@ -264,6 +284,13 @@ class EngineArgs:
                                     help="seconds a parallel step may take before the stuck rank is named")
     startup_timeout_s: float = _option(_PAR.startup_timeout_s, "--startup-timeout", type=float,
                                        help="seconds the ranks of a parallel instance may take to load their shards")
+
+    enable_lora: bool = _option(False, "--enable-lora", help="serve LoRA adapters on top of the model")
+    max_loras: int = _option(_LORA.max_loras, "--max-loras", type=int, help="LoRA adapters in one batch")
+    max_lora_rank: int = _option(_LORA.max_lora_rank, "--max-lora-rank", type=int,
+                                 help="the highest LoRA rank accepted")
+    max_cpu_loras: int | None = _option(_LORA.max_cpu_loras, "--max-cpu-loras", type=int,
+                                        help="LoRA adapters cached in host memory (default: --max-loras)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: Collection[str] = ()) -> None:
@@ -341,4 +368,6 @@ class EngineArgs:
                                     max_concurrent_batches=self.max_concurrent_batches,
                                     step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s),
             structured_outputs=StructuredOutputsConfig(compile_timeout_s=self.grammar_compile_timeout_s,
-                                                       cache_size=self.grammar_cache_size))
+                                                       cache_size=self.grammar_cache_size),
+            lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None)

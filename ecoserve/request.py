@@ -31,6 +31,25 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """One LoRA adapter, named as vLLM names it: `lora_int_id` (>= 1) keys slots and the prefix cache, and
+    `base_model_name`, when given, must be the engine's model."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1 (0 is the base model), got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a non-empty string, got {self.lora_path!r}")
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence: its tokens and how many of them have KV computed.
@@ -51,12 +70,18 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
     times: RequestTimes = field(init=False)
     _output_limit: int | None = field(default=None, init=False, repr=False)  # max_output_tokens, once known
 
     def __post_init__(self) -> None:
         self.times = RequestTimes(arrival=self.arrival_time)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's `lora_int_id`; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from ecoserve.config import EngineArgs
 from ecoserve.engine.llm_engine import LLMEngine, PromptType
-from ecoserve.request import RequestOutput
+from ecoserve.request import LoRARequest, RequestOutput
 from ecoserve.sampling import SamplingParams
 
 
@@ -27,7 +27,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or a list with one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -36,7 +38,12 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         engine = self.llm_engine
+        for lora in dict.fromkeys(l for l in loras if l is not None):  # a bad adapter fails before anything is queued
+            engine.lora_manager().register(lora)
         # Validate everything first so that one bad prompt leaves nothing half-queued.
         tokenized = [engine.tokenize_prompt(p) for p in prompts]
         for i, (_, ids) in enumerate(tokenized):
@@ -45,10 +52,10 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         order = {}
-        for (text, ids), p in zip(tokenized, params):
+        for (text, ids), p, lora in zip(tokenized, params, loras):
             rid = str(next(self._ids))
             order[rid] = len(order)
-            engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, p)
+            engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, p, lora_request=lora)
         return self._run(order, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

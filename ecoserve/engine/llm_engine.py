@@ -1,6 +1,7 @@
 """LLMEngine: requests in, scheduler + executor each step, RequestOutputs (with text) out."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -17,8 +18,8 @@ from ecoserve.engine.cpu import tune_allocator
 from ecoserve.engine.detokenizer import IncrementalDetokenizer
 from ecoserve.engine.guided import GrammarCompiler, GuidedDecoder, compile_error
 from ecoserve.engine.model_runner import ModelRunner
-from ecoserve.request import (CompletionOutput, Logprobs, OutputHistory, Request, RequestMetrics, RequestOutput,
-                              RequestStatus)
+from ecoserve.request import (CompletionOutput, Logprobs, LoRARequest, OutputHistory, Request, RequestMetrics,
+                              RequestOutput, RequestStatus)
 from ecoserve.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from ecoserve.sched.interface import SchedulerOutput
 from ecoserve.sched.scheduler import Scheduler
@@ -138,7 +139,16 @@ class LLMEngine:
         if sched_config.tdpipe.num_stages is None and parallel.pipeline_parallel_size > 1:  # tdpipe: the real stages
             sched_config = replace(sched_config, tdpipe=replace(sched_config.tdpipe,
                                                                 num_stages=parallel.pipeline_parallel_size))
-        self.scheduler = Scheduler(sched_config, config.cache, num_blocks, self.clock, self.max_model_len)
+        self.lora = None  # the LoRA adapters (ecoserve.lora.LoRAManager) with --enable-lora
+        if config.lora is not None:
+            if parallel.world_size > 1:
+                raise ValueError("LoRA adapters (--enable-lora) run in a single-process instance; tensor and "
+                                 "pipeline parallelism with LoRA are not supported")
+            from ecoserve.lora import LoRAManager
+
+            self.lora = LoRAManager(loaded.model, config.lora, self.model_name)
+        self.scheduler = Scheduler(sched_config, config.cache, num_blocks, self.clock, self.max_model_len,
+                                   max_loras=config.lora.max_loras if config.lora is not None else None)
         # Matchers of constrained sequences live here, in the engine's process (also in a cluster instance).
         self.guided = GuidedDecoder(GrammarCompiler(self.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids),
                                                     config.structured_outputs.cache_size)
@@ -149,7 +159,7 @@ class LLMEngine:
         if parallel.world_size == 1:
             loaded.model.ensure_positions(self.max_model_len)
             self.executor = ModelRunner(loaded.model, num_blocks, block_size, config.device, config.seed,
-                                        self.kv_cache_dtype)
+                                        self.kv_cache_dtype, lora=self.lora)
         else:
             from ecoserve.distributed.launch import start_workers
             self.executor = start_workers(config, loaded, num_blocks, self.max_model_len)
@@ -237,15 +247,20 @@ class LLMEngine:
         return validate_params(params, self.loaded.spec.vocab_size, self.tokenizer is not None)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, grammar_accepted: Sequence[int] = ()) -> None:
+                    arrival_time: float | None = None, grammar_accepted: Sequence[int] = (),
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue; on error nothing is queued and other requests are untouched.
 
         Never compiles a grammar here: one not compiled yet is compiled on the grammar threads while
         the request waits unscheduled; `step()` starts it when it is ready, or fails it (see
         `take_failed`) at its compile deadline. A grammar already known to be bad raises ValueError.
         `grammar_accepted`: tokens at the end of the prompt that the grammar took on another instance.
+        `lora_request`: the adapter to run with (None: the base model); one not registered yet is registered
+        (validated) here, and its weights load while the request waits or runs.
         """
         params = self.validate_params(params or SamplingParams())
+        if lora_request is not None:
+            self.lora_manager().register(lora_request)
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if SAMPLE_ID_SEP in request_id:
@@ -268,7 +283,8 @@ class LLMEngine:
                 child_params = params.clone(n=1, seed=None if params.seed is None else sample_seed(params.seed, i),
                                             prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             rid = request_id if params.n == 1 else sample_id(request_id, i)
-            req = Request(rid, token_ids, child_params, arrival, self.eos_token_ids, self.max_model_len)
+            req = Request(rid, token_ids, child_params, arrival, self.eos_token_ids, self.max_model_len,
+                          lora_request=lora_request)
             wants_logprobs = params.logprobs is not None
             parent.children.append(_Child(req, i, IncrementalDetokenizer(self.tokenizer, token_ids, child_params),
                                           0.0 if wants_logprobs else None,
@@ -323,6 +339,36 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    def lora_manager(self):
+        """The engine's `ecoserve.lora.LoRAManager`; a clear error when LoRA is off."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine; start it with enable_lora=True "
+                             "(--enable-lora)")
+        return self.lora
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Validate an adapter and read it into the host cache; raises LoRAAdapterError (a ValueError) saying
+        what is wrong with it, and nothing else changes."""
+        self.lora_manager().add_lora(lora)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter (requests using it still finish); False if none has that name."""
+        return self.lora is not None and self.lora.remove_lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list_loras()
+
+    def lora_stats(self):
+        """`ecoserve.lora.LoRAStats`: running and waiting adapters, max_lora (0 with LoRA off), loads, evictions."""
+        sched = self.scheduler
+        if self.lora is None:
+            from ecoserve.lora import LoRAStats
+
+            return LoRAStats([], [], 0, 0, 0, 0, 0)
+        waiting = [*sched.waiting, *sched.waiting_for_grammar.values()]
+        return self.lora.stats((r.lora_request for r in sched.running), (r.lora_request for r in waiting))
 
     # ---- requests waiting for their grammar ------------------------------------------------
     def grammar_wait_s(self) -> float | None:
@@ -388,6 +434,10 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if out.is_empty:
                 break
+            if self.lora is not None:  # the adapters of waiting requests load while this batch runs
+                sched = self.scheduler
+                self.lora.prefetch(itertools.islice((r.lora_request for r in sched.waiting), 4 * sched.max_loras),
+                                   sched.running_loras)
             in_flight.append((out, self.executor.submit(out, self._grammar_masks(out))))
         self.last_step_empty = not in_flight
         if not in_flight:

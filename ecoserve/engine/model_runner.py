@@ -24,9 +24,11 @@ from ecoserve.sched.interface import SchedulerOutput, StepResult
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None) -> None:
-        """`kv_cache_dtype`: the KV cache's element type (None: the model's dtype)."""
+                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None, lora=None) -> None:
+        """`kv_cache_dtype`: the KV cache's element type (None: the model's dtype). `lora`: the engine's
+        `ecoserve.lora.LoRAManager` (its modules wrap the model's) or None."""
         self.model = model
+        self.lora = lora
         self.device = torch.device(device)
         cache_dtype = kv_cache_dtype or model.dtype
         self.kv_cache = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
@@ -72,6 +74,8 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(s, s + n) for s, n, _, _ in spans]).to(self.device)
         self.attention.meta = self.attention.build_metadata(spans)
+        if self.lora is not None:  # each token's adapter slot, as the attention metadata
+            self.lora.begin_step(batch.chunks)
         hidden = self.model(input_ids, positions, self.attention)
         self.attention.meta = None
 

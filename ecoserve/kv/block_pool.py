@@ -77,20 +77,23 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> KVBlock | None:
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None,
+               root: int | None = None) -> KVBlock | None:
+        """`root`: what a first block's chain starts from (a LoRA adapter's id; None for the base model)."""
         block = self._cached.get(block_hash)
         if block is None or block.token_ids != token_ids or block.parent is not parent:
             return None
-        if parent is not None and parent.block_hash != block.parent_hash:
+        if block.parent_hash != (root if parent is None else parent.block_hash):
             return None
         return block
 
-    def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> None:
+    def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None,
+              root: int | None = None) -> None:
         """Register a full, computed block; the first block with given content stays the canonical one."""
         if block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
-        block.parent, block.parent_hash = parent, (parent.block_hash if parent else None)
+        block.parent, block.parent_hash = parent, (parent.block_hash if parent else root)
         self._cached[block_hash] = block
 
     def uncache(self, block: KVBlock) -> None:

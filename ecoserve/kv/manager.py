@@ -57,9 +57,10 @@ class KVCacheManager:
         bs, tokens = self.block_size, req.all_token_ids
         hits: list[KVBlock] = []
         parent: KVBlock | None = None
+        root = req.lora_id or None  # the chain starts from the adapter: two adapters never share a block
         for start in range(0, (req.num_tokens - 1) // bs * bs, bs):
             ids = tuple(tokens[start:start + bs])
-            block = self.pool.lookup(chain_hash(parent.block_hash if parent else None, ids), ids, parent)
+            block = self.pool.lookup(chain_hash(parent.block_hash if parent else root, ids), ids, parent, root)
             if block is None:
                 break
             hits.append(block)
@@ -107,13 +108,14 @@ class KVCacheManager:
         bs = self.block_size
         done = self._num_cached.get(req.request_id, 0)
         full = min(num_tokens // bs, len(owned))
+        root = req.lora_id or None
         for i in range(done, full):
             ids = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
             parent = owned[i - 1] if i else None
-            parent_hash = parent.block_hash if parent else None
+            parent_hash = parent.block_hash if parent else root
             if i and parent_hash is None:
                 break  # parent not indexed (its content is owned by another canonical block)
-            self.pool.cache(owned[i], chain_hash(parent_hash, ids), ids, parent)
+            self.pool.cache(owned[i], chain_hash(parent_hash, ids), ids, parent, root)
             if owned[i].block_hash is None:
                 break
             done = i + 1

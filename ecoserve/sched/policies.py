@@ -22,9 +22,14 @@ def make_policy(name: str) -> Policy:
 
 
 def _admit_waiting(sched: "Scheduler", step: StepBuilder, whole_prompts: bool) -> None:
-    """FCFS admission; stop at the first request that does not fit (no overtaking)."""
+    """FCFS admission; stop at the first request that does not fit (no overtaking, except past requests whose
+    LoRA adapter has no slot)."""
     while sched.waiting and not step.full():
         req = sched.waiting[0]
+        if sched.max_loras is not None and sched.lora_blocked(req):
+            req = next((r for r in sched.waiting if not sched.lora_blocked(r)), None)
+            if req is None:
+                break
         remaining = req.num_tokens - req.num_computed_tokens
         if whole_prompts and step.chunks and remaining > step.token_budget:
             break  # a prompt is split only when it alone exceeds the budget

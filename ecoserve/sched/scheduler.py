@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 
 from ecoserve.clock import Clock
 from ecoserve.config import CacheConfig, SchedulerConfig
@@ -27,7 +27,8 @@ _RUNNING = RequestStatus.RUNNING
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int, clock: Clock,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, max_loras: int | None = None) -> None:
+        """`max_loras`: distinct LoRA adapters the running requests may use at once (None: LoRA off)."""
         self.config = config
         self.clock = clock
         self.max_model_len = max_model_len or config.max_model_len
@@ -49,6 +50,8 @@ class Scheduler:
         self._last_step_phase: Phase = "idle"  # "prefill" if the last non-empty step computed a prompt chunk
         self.created_at = clock.now()
         self.window = PrefillWindow()  # commanded by the macro-instance scheduler (temporal policy)
+        self.max_loras = max_loras
+        self.running_loras: Counter[int] = Counter()  # adapter id -> running requests that use it (LoRA on)
 
     # ---- phase and window (the one definition; see sched/window.py) ------------------------
     @property
@@ -113,6 +116,7 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._lora_left(req)
         elif self.waiting_for_grammar.pop(req.request_id, None) is None:
             try:
                 self.waiting.remove(req)
@@ -190,9 +194,26 @@ class Scheduler:
         candidates = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
         return max(candidates, key=lambda r: order[r.request_id]) if candidates else None
 
+    # ---- LoRA adapter slots ---------------------------------------------------------------
+    def lora_blocked(self, req: Request) -> bool:
+        """Its adapter would be one more than `max_loras` among the running requests' adapters: it waits."""
+        lora_id = req.lora_id
+        return bool(lora_id) and self.max_loras is not None and lora_id not in self.running_loras and \
+            len(self.running_loras) >= self.max_loras
+
+    def _lora_left(self, req: Request) -> None:
+        lora_id = req.lora_id
+        if lora_id and self.max_loras is not None:
+            self.running_loras[lora_id] -= 1
+            if self.running_loras[lora_id] <= 0:
+                del self.running_loras[lora_id]
+
     def admit(self, req: Request, step: StepBuilder, max_tokens: int | None = None) -> bool:
-        """Move a waiting request into running with its first chunk, if the seat, budget and KV allow."""
+        """Move a waiting request into running with its first chunk, if the seat, budget, KV and (with LoRA) an
+        adapter slot allow."""
         if step.seq_budget <= 0 or step.token_budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return False
+        if self.max_loras is not None and self.lora_blocked(req):
             return False
         imported = req.num_computed_tokens  # > 0 only when its KV was imported (blocks adopted, see kv.adopt)
         computed = [] if imported else self.kv.get_computed_blocks(req)
@@ -207,6 +228,8 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        if req.lora_id and self.max_loras is not None:
+            self.running_loras[req.lora_id] += 1
         step.add(req, n)
         self.kv.cache_blocks(req, num_cached + n)
         return True
@@ -216,6 +239,7 @@ class Scheduler:
         step.remove(req)
         step.num_preempted += 1
         self.running.remove(req)
+        self._lora_left(req)
         self.kv.free(req, uncomputed_from=req.num_computed_tokens)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
