@@ -11,7 +11,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     import ecoserve.sim.tdpipe_experiment  # noqa: F401  (registers the "tdpipe" experiment)
     from ecoserve.cluster.router import ROUTER_MODES
     from ecoserve.sim.experiments import EXPERIMENTS
-    from ecoserve.sim.lora import ADAPTER_COUNTS
+    from ecoserve.sim.lora_experiment import ADAPTER_COUNTS
     from ecoserve.sim.hardware import GPUS, LINKS
     from ecoserve.sim.models import MODELS
     from ecoserve.sim.cluster import STRATEGIES
@@ -143,7 +143,7 @@ def _lora_config(args: argparse.Namespace, num_adapters: int):
 
 def _lora_capacity(args: argparse.Namespace, out: Path) -> int:
     """`simulate lora`: attainment by number of adapters, per strategy, and the most adapters within target."""
-    from ecoserve.sim.lora import ADAPTER_COUNTS, adapter_capacity, capacity_table
+    from ecoserve.sim.lora_experiment import ADAPTER_COUNTS, adapter_capacity, capacity_table
 
     _lora_config(args, 1)  # refuses bad values before the runs
     top = args.num_adapters or ADAPTER_COUNTS[-1]

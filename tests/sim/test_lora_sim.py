@@ -7,8 +7,8 @@ import pytest
 import ecoserve.sim.cluster as cluster_sim
 from ecoserve.cluster.events import RequestArrived
 from ecoserve.sim.cluster import ClusterSpec, build
-from ecoserve.sim.lora import (AdapterCache, LoRASimConfig, adapter_bytes, adapter_capacity, assign_adapters,
-                               capacity_table, lora_params_per_rank)
+from ecoserve.sim.lora import AdapterCache, LoRASimConfig, adapter_bytes, assign_adapters, lora_params_per_rank
+from ecoserve.sim.lora_experiment import adapter_capacity, capacity_table
 from ecoserve.sim.models import MODELS
 from ecoserve.sim.perf import StepWork, make_perf
 from ecoserve.sim.workload import synthetic
