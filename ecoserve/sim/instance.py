@@ -16,8 +16,8 @@ class SimulatedExecutor:
     """Returns a token per sampling chunk and the performance model's predicted step time.
 
     Tokens whose KV arrived from elsewhere (FuDG imports) cost nothing to "compute". With `adapters`,
-    requests in `lora_of` run through their LoRA adapter: rank x tokens of compute, and a load for an
-    adapter the instance lacks.
+    requests with a `lora_request` run through their LoRA adapter: rank x tokens of compute, and a load for
+    an adapter the instance lacks.
     """
 
     def __init__(self, perf, token_id: int = 0, adapters: AdapterCache | None = None) -> None:
@@ -25,7 +25,6 @@ class SimulatedExecutor:
         self.token_id = token_id
         self.imported: dict[str, int] = {}  # request id -> tokens whose KV was transferred in
         self.adapters = adapters
-        self.lora_of: dict[str, str] = {}  # request id -> its adapter
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
         tokens = seqs = sampled_n = kv = prompt_tokens = 0
@@ -54,17 +53,17 @@ class SimulatedExecutor:
                 prompt_tokens += q
                 pairs += q * start + q * (q + 1) / 2
             kv += start + q
-        if self.adapters is not None and self.lora_of:
+        if self.adapters is not None:
             return StepResult(sampled=sampled, duration=self._lora_step(batch, tokens, seqs, sampled_n, pairs, kv,
                                                                         prompt_tokens))
         dur = self.perf.work_time(StepWork(tokens, seqs, sampled_n, pairs, kv, prompt_tokens)) if tokens else 0.0
         return StepResult(sampled=sampled, duration=dur)
 
     def _lora_step(self, batch: SchedulerOutput, *work) -> float:
-        adapters, lora_of = self.adapters, self.lora_of
-        used = {lora_of[c.request.request_id] for c in batch.chunks if c.request.request_id in lora_of}
-        rank = adapters.config.rank
-        rank_tokens = rank * sum(c.num_tokens for c in batch.chunks if c.request.request_id in lora_of)
+        adapters = self.adapters
+        lora_chunks = [c for c in batch.chunks if c.request.lora_request is not None]
+        used = {c.request.lora_request.lora_name for c in lora_chunks}
+        rank_tokens = adapters.config.rank * sum(c.num_tokens for c in lora_chunks)
         compute = self.perf.work_time(StepWork(*work, rank_tokens, len(used) * adapters.adapter_bytes)) \
             if work[0] else 0.0
         return adapters.step_time(compute, adapters.load_time(used))
@@ -81,7 +80,8 @@ class SimInstance:
         self.executor = SimulatedExecutor(perf, adapters=adapters)
         self.sched = Scheduler(sched_config, CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
                                                          enable_prefix_caching=False),
-                               num_blocks, clock, max_model_len=max_model_len)
+                               num_blocks, clock, max_model_len=max_model_len,
+                               max_loras=adapters.config.max_loras if adapters is not None else None)
         self.busy = False
         self._out: SchedulerOutput | None = None
         self._result: StepResult | None = None
@@ -94,12 +94,12 @@ class SimInstance:
     # ---- requests -------------------------------------------------------------------------
     def add(self, request_id: str, prompt_len: int, max_tokens: int, imported_tokens: int = 0,
             lora_name: str | None = None) -> Request:
+        adapters = self.executor.adapters
+        lora = adapters.request_of(lora_name) if lora_name is not None and adapters is not None else None
         req = Request(request_id, [0] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                      arrival_time=self.clock.now())
+                      arrival_time=self.clock.now(), lora_request=lora)
         if imported_tokens:
             self.executor.imported[request_id] = imported_tokens
-        if lora_name is not None and self.executor.adapters is not None:
-            self.executor.lora_of[request_id] = lora_name
         self.sched.add_request(req)
         self._status = None
         return req
@@ -147,7 +147,6 @@ class SimInstance:
         finished = self.sched.update(out, result)
         for req in finished:
             self.executor.imported.pop(req.request_id, None)
-            self.executor.lora_of.pop(req.request_id, None)
         self._status = None
         return first, finished
 

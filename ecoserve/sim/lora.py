@@ -5,7 +5,8 @@ Costs follow the adapters' shapes on the model: an adapter of rank r on the seve
 layer holds r x (in + out) weights per projection; a token through it costs 2 r (in + out) FLOPs per
 projection (x A, then B), so a step's LoRA compute is (sum over its tokens of their adapter's rank) times
 that per-rank cost, and its memory traffic the weights of the distinct adapters it runs. An instance holds
-up to `max_loras` adapters on the device (the batch's slots); one it lacks is copied in over the host link
+up to `max_loras` adapters on the device (the batch's slots: the shared scheduler admits requests of at most
+that many adapters at once, as the engine's does); one it lacks is copied in over the host link
 (`load_bandwidth`) when a step first needs it, evicting the least recently used one that step does not
 use. With `layerwise_loading` (AuLoRA) the copy runs layer by layer beside the step's compute, so the step
 takes the longer of the two plus one layer's copy; without it the copy comes first.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ecoserve.request import LoRARequest
 from ecoserve.sim.models import ModelSpec
 from ecoserve.sim.workload import SimRequest
 
@@ -73,6 +75,14 @@ class AdapterCache:
         self.resident: OrderedDict[str, None] = OrderedDict()
         self.loads = 0
         self.evictions = 0
+        self._requests: dict[str, LoRARequest] = {}
+
+    def request_of(self, name: str) -> LoRARequest:
+        """The adapter as requests carry it, so that the scheduler admits at most `max_loras` adapters per batch."""
+        lora = self._requests.get(name)
+        if lora is None:
+            lora = self._requests[name] = LoRARequest(name, len(self._requests) + 1, f"sim://{name}")
+        return lora
 
     def load_time(self, used: set[str]) -> float:
         """Make the step's adapters resident; the seconds their copies take (0 when all were there)."""
