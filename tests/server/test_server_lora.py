@@ -4,14 +4,13 @@ and the routes absent without runtime updates."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 
+from ecoserve.bench.lora import random_lora_adapter
 from ecoserve.server.lora import LoRAModulePath, parse_lora_module, runtime_updates_allowed
 from tests.server.conftest import start_server
 
@@ -19,29 +18,8 @@ KEY = "sk-lora"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def make_adapter(base: str, path: Path, rank: int = 8, seed: int = 0, targets=("q_proj", "v_proj")) -> str:
-    """A LoRA checkpoint as PEFT's `save_pretrained` writes it, with random A and B (PEFT's default B = 0 would
-    change nothing)."""
-    from safetensors.torch import save_file
-
-    cfg = json.loads((Path(base) / "config.json").read_text())
-    h, head_dim = cfg["hidden_size"], cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}  # (in, out)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for proj in targets:
-            fan_in, fan_out = shapes[proj]
-            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * 0.3
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.3
-    path.mkdir(parents=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-         "base_model_name_or_path": base, "bias": "none", "task_type": "CAUSAL_LM"}))
-    return str(path)
+def make_adapter(base: str, path: Path, rank: int = 8, seed: int = 0) -> str:
+    return str(random_lora_adapter(base, path, rank, seed))
 
 
 @pytest.fixture(scope="module")
