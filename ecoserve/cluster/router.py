@@ -249,7 +249,8 @@ class MacroInstance:
 
     def try_route(self, req: PendingRequest, status_of: StatusOf, now: float) -> int | None:
         """The first instance in candidate order that passes Algorithm 1's checks; for a LoRA request, the first
-        passing one that holds its adapter when there is one (the windows roll as they would)."""
+        passing one that holds its adapter when there is one, else one with a free adapter slot (the windows
+        roll as they would)."""
         if req.lora_name is not None:
             return self._try_route_adapter(req, status_of, now)
         for idx in self.candidate_order():
@@ -265,7 +266,8 @@ class MacroInstance:
         if not passing:
             return None
         holding = [idx for idx in passing if req.lora_name in status_of(self.instances[idx]).loras]
-        self.cursor = (holding or passing)[0]
+        with_slot = [idx for idx in passing if status_of(self.instances[idx]).free_lora_slots > 0]
+        self.cursor = (holding or with_slot or passing)[0]
         return self.instances[self.cursor]
 
     def submit(self, request_id: str, prompt_len: int, max_tokens: int, status_of: StatusOf,

@@ -49,6 +49,7 @@ class InstanceStatus:
     window_open: bool = False
     window_start: float | None = None  # None: no window was ever commanded
     loras: tuple[str, ...] = ()  # the LoRA adapters loaded on the instance (registered, ready to run)
+    free_lora_slots: int = 1 << 30  # more adapters its running batch may take (--max-loras less those running)
 
     @property
     def num_requests(self) -> int:
@@ -65,12 +66,15 @@ def holds_adapter(st: InstanceStatus, lora_name: str, prompt_len: int) -> bool:
 
 
 def prefer_holders(candidates: list[int], lora_name: str | None, prompt_len: int, status_of: "StatusOf") -> list[int]:
-    """The candidates that hold `lora_name` with room for the request (in the given order); all of them when
-    none does or the request runs on the base model."""
+    """The candidates that hold `lora_name` with room for the request (in the given order); else those with a
+    free adapter slot (a request for a new adapter would wait on the others); all of them when none is, or
+    the request runs on the base model."""
     if lora_name is None:
         return candidates
     holders = [i for i in candidates if holds_adapter(status_of(i), lora_name, prompt_len)]
-    return holders or candidates
+    if holders:
+        return holders
+    return [i for i in candidates if status_of(i).free_lora_slots > 0] or candidates
 
 
 StatusOf = Callable[[int], InstanceStatus]  # a driver's reader of the freshest status of an instance
@@ -95,4 +99,5 @@ def instance_status(instance_id: int, sched: "Scheduler", loras: tuple[str, ...]
                           start if start is not None else sched.created_at, tuple(reqs),
                           kv.num_free_blocks * bs - queued, kv.num_blocks * bs,
                           len(sched.running), len(sched.waiting), sched.config.max_num_seqs,
-                          win.is_open and start is not None, start, loras)
+                          win.is_open and start is not None, start, loras,
+                          sched.max_loras - len(sched.running_loras) if sched.max_loras is not None else 1 << 30)

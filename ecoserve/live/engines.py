@@ -16,6 +16,10 @@ from ecoserve.sched.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+class RequestRefusedError(ValueError):
+    """An engine refused a request for its own content (a LoRA adapter it cannot load): the client's error."""
+
+
 def deltas_of(out: RequestOutput, with_prompt_logprobs: bool) -> list[Delta]:
     """The engine's delta output of one step as messages (samples without news are left out)."""
     return [Delta(out.request_id, c.index, list(c.new_token_ids), c.new_text, c.finish_reason, c.stop_reason,
@@ -76,7 +80,7 @@ class RealEngine:
 
     def _lora(self, adapter: LoRAAdapter):
         """The adapter as a LoRARequest, loaded here first if this instance lacks it (or holds an older one of
-        that name); LoRAAdapterError, a ValueError, for one the engine refuses."""
+        that name); RequestRefusedError (a ValueError) for one the engine refuses."""
         from ecoserve.request import LoRARequest
 
         lora = LoRARequest(adapter.name, adapter.int_id, adapter.path, adapter.base_model_name)
@@ -85,7 +89,10 @@ class RealEngine:
             if held is not None:
                 self.engine.remove_lora(adapter.name)
                 del self._loras[adapter.name]
-            self.engine.add_lora(lora)
+            try:
+                self.engine.add_lora(lora)
+            except ValueError as e:  # LoRAAdapterError: the request's adapter, not this instance, is at fault
+                raise RequestRefusedError(str(e)) from None
             self._loras[adapter.name] = adapter.int_id
         return lora
 

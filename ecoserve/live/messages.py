@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 # 2: AddRequest.num_output_tokens (a grammar continues on the decode leg); 3: Ready.max_step_ms; 4: Ready.engine;
 # 5: Ready.kv_dtype, ExpectKV (an instance accepts only the KV transfers it was told to expect)
-# 6: AddRequest.lora, InstanceStatus.loras (LoRA adapters load on demand; routing prefers their holders)
+# 6: AddRequest.lora, InstanceStatus.loras / free_lora_slots, RequestFailed.refused (LoRA adapters load on
+#    demand; routing prefers their holders; a bad adapter is the client's error)
 PROTOCOL_VERSION = 6
 
 
@@ -183,10 +184,13 @@ class ImportedKV(Msg):
 
 
 class RequestFailed(Msg):
-    """The instance refused or lost a request (bad input, duplicate id, failed KV transfer)."""
+    """The instance refused or lost a request (bad input, duplicate id, failed KV transfer).
+
+    `refused`: the request itself was bad (a LoRA adapter the engine cannot load): the client's error."""
 
     request_id: str
     reason: str
+    refused: bool = False
 
 
 class Heartbeat(Msg):

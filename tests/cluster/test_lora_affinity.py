@@ -9,9 +9,9 @@ from ecoserve.cluster.status import holds_adapter, prefer_holders
 PROFILE = PrefillProfile(lambda n: n / 1000, 4096)
 
 
-def status(iid, loras=(), free=10_000, running=0, seats=256):
+def status(iid, loras=(), free=10_000, running=0, seats=256, slots=4):
     return InstanceStatus(iid, 0.0, "decode", 0.0, (), free, 10_000, num_running=running, max_num_seqs=seats,
-                          loras=tuple(loras))
+                          loras=tuple(loras), free_lora_slots=slots)
 
 
 def test_holds_adapter_needs_the_adapter_a_seat_and_the_prompts_kv():
@@ -26,6 +26,10 @@ def test_prefer_holders_keeps_order_and_falls_back_to_all():
     assert prefer_holders([0, 1, 2], "a", 10, board.__getitem__) == [1, 2]
     assert prefer_holders([0, 1, 2], "c", 10, board.__getitem__) == [0, 1, 2]
     assert prefer_holders([0, 1, 2], None, 10, board.__getitem__) == [0, 1, 2]
+    board[0] = status(0, slots=0)  # its batch runs --max-loras adapters already: a new one would wait there
+    assert prefer_holders([0, 1, 2], "c", 10, board.__getitem__) == [1, 2]
+    full = {i: status(i, slots=0) for i in range(3)}
+    assert prefer_holders([0, 1, 2], "c", 10, full.__getitem__) == [0, 1, 2]
 
 
 def test_nodg_round_robin_sends_an_adapter_to_its_holder_while_it_has_room():
@@ -68,3 +72,6 @@ def test_padg_routes_to_a_passing_holder_and_never_past_the_checks():
     board[2] = status(2, ["x"], running=256)  # the holder fails the seat check: the cycle's next one takes it
     acts = mac.submit("r2", 100, 10, board.__getitem__, 0.0, lora_name="x")
     assert [a.instance_id for a in acts if isinstance(a, Dispatch)] == [0]
+    board[0] = status(0, slots=0)  # no holder passes; of the passing ones, the one with a free adapter slot
+    acts = mac.submit("r3", 100, 10, board.__getitem__, 0.0, lora_name="y")
+    assert [a.instance_id for a in acts if isinstance(a, Dispatch)] == [1]
