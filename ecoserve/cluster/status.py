@@ -66,15 +66,19 @@ def holds_adapter(st: InstanceStatus, lora_name: str, prompt_len: int) -> bool:
 
 
 def prefer_holders(candidates: list[int], lora_name: str | None, prompt_len: int, status_of: "StatusOf") -> list[int]:
-    """The candidates that hold `lora_name` with room for the request (in the given order); else those with a
-    free adapter slot (a request for a new adapter would wait on the others); all of them when none is, or
-    the request runs on the base model."""
+    """The candidates that hold `lora_name` with room for the request and no more than their share of the
+    requests (the mean over the candidates, plus one: a popular adapter spreads instead of piling onto its
+    first holder), in the given order; else those with a free adapter slot (a request for a new adapter
+    would wait on the others); all of them when none is, or the request runs on the base model."""
     if lora_name is None:
         return candidates
-    holders = [i for i in candidates if holds_adapter(status_of(i), lora_name, prompt_len)]
+    statuses = {i: status_of(i) for i in candidates}
+    share = sum(st.num_requests for st in statuses.values()) / max(len(candidates), 1) + 1
+    holders = [i for i in candidates
+               if holds_adapter(statuses[i], lora_name, prompt_len) and statuses[i].num_requests <= share]
     if holders:
         return holders
-    return [i for i in candidates if status_of(i).free_lora_slots > 0] or candidates
+    return [i for i in candidates if statuses[i].free_lora_slots > 0] or candidates
 
 
 StatusOf = Callable[[int], InstanceStatus]  # a driver's reader of the freshest status of an instance

@@ -41,6 +41,17 @@ def test_nodg_round_robin_sends_an_adapter_to_its_holder_while_it_has_room():
     assert r.route(board.__getitem__, "x", 50) == 0
 
 
+def test_a_holder_beyond_its_share_of_the_requests_is_passed_over():
+    from ecoserve.cluster import RequestState
+    busy = tuple(RequestState(f"q{k}", 0.0, 10, None, 0) for k in range(6))
+    board = {0: InstanceStatus(0, 0.0, "decode", 0.0, busy, 10_000, 10_000, num_running=6, loras=("x",)),
+             1: status(1), 2: status(2)}
+    assert prefer_holders([0, 1, 2], "x", 10, board.__getitem__) == [0, 1, 2]  # 6 > 6/3 + 1: x spreads
+    for i in (1, 2):  # the others as busy: x stays with its holder
+        board[i] = InstanceStatus(i, 0.0, "decode", 0.0, busy[:5], 10_000, 10_000, num_running=5)
+    assert prefer_holders([0, 1, 2], "x", 10, board.__getitem__) == [0]  # 6 <= 16/3 + 1
+
+
 def test_nodg_least_loaded_picks_the_least_loaded_holder():
     board = {0: status(0, ["x"], running=5), 1: status(1, ["x"], running=1), 2: status(2)}
     r = NoDGRouter([0, 1, 2], policy="least_loaded")
