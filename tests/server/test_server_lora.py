@@ -149,3 +149,15 @@ def test_without_runtime_updates_the_routes_are_absent(server):
     assert asyncio.run(ask()) == [404, 404]
     with pytest.raises(ValueError, match="--enable-lora"):
         create_app(server.engine, "tiny", lora_modules=[LoRAModulePath("a", "/x")])
+
+
+def test_serve_flags():
+    from ecoserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "4", "--lora-modules", "sql=/a",
+                                      '{"name": "chat", "path": "/b", "base_model_name": "m"}',
+                                      "--allow-runtime-lora-updating"])
+    assert args.enable_lora and args.max_loras == 4 and args.allow_runtime_lora_updating
+    assert args.lora_modules == [LoRAModulePath("sql", "/a"), LoRAModulePath("chat", "/b", "m")]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--lora-modules", "no-path"])
