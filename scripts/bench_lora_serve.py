@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench_serve_peers import NAME, stop, wait_ready, warm_up
 
-from ecoserve.bench.lora import ALL_PROJECTIONS, random_lora_adapter
+from ecoserve.bench.adapters import ALL_PROJECTIONS, random_lora_adapter
 from ecoserve.model.default import default_model_dir
 
 RANKS = (8, 64)

@@ -67,8 +67,9 @@ def test_every_field_reaches_the_typed_config():
     args = every_field_set()
     config = args.create_engine_config()
     flat = {k: v for k, v in vars(config).items() if not dataclasses.is_dataclass(v)}
-    for part in (config.cache, config.scheduler, config.parallel, config.structured_outputs):
+    for part in (config.cache, config.scheduler, config.parallel, config.structured_outputs, config.lora):
         flat.update(vars(part))
+    flat["enable_lora"] = config.lora is not None
     for f in FIELDS:
         assert flat[RENAMED.get(f.name, f.name)] == getattr(args, f.name), f.name
 

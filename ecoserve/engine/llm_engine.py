@@ -446,6 +446,8 @@ class LLMEngine:
         out, future = in_flight.popleft()
         result = future.result()  # raises if a rank died or stalled: the engine is dead then
         self.scheduler.update(out, result)
+        if self.lora is not None:
+            self._fail_broken_adapters()
         touched: dict[str, _Parent] = {}
         for chunk in out.chunks:
             parent = self._child_to_parent.get(chunk.request.request_id)
@@ -491,6 +493,13 @@ class LLMEngine:
         self._forget(parent)
         self._failed[parent.request_id] = RequestFailedError(
             f"request {parent.request_id!r} failed in the engine and was aborted: {type(error).__name__}: {error}")
+
+    def _fail_broken_adapters(self) -> None:
+        """Fail (alone) the requests of adapters whose weights could not be loaded during this step."""
+        for lora, error in self.lora.take_failed():
+            for parent in [p for p in self._parents.values() if p.children[0].request.lora_id == lora.lora_int_id]:
+                self._fail_request(parent, RuntimeError(f"LoRA adapter {lora.lora_name!r} could not be loaded from "
+                                                        f"{lora.lora_path}: {error}"))
 
     def take_failed(self) -> dict[str, Exception]:
         """The requests steps failed since the last call (each aborted alone: a grammar past its deadline, an

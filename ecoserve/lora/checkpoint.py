@@ -6,8 +6,8 @@ clear message; the tensors are read one decoder layer at a time (`read_layer`), 
 layer-wise loader start a step before a cold adapter is fully read.
 
 Our model fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; an adapter's q, k and v (any
-subset) become slices of one fused LoRA: A stacks the slices' rows (one shrink GEMM), B keeps one block per
-slice (one expand GEMM each). The scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rsLoRA) is
+subset) become slices of one fused LoRA: A stacks the slices' rows (one shrink GEMM) and B^T is one block per
+slice, laid block-diagonally in the slot (one expand GEMM). The scaling (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with rsLoRA) is
 folded into B.
 """
 from __future__ import annotations

@@ -1,12 +1,18 @@
 """Batched heterogeneous LoRA: each wrapped linear adds its rows' `x @ A_slot^T @ B_slot^T` per adapter slot.
 
 Adapters live in a fixed pool of `max_loras` slots per wrapped module (A: [slots, n_slices * max_rank, in],
-B^T per output slice: [slots, max_rank, out]), so shapes never change while adapters come and go. A step's
-tokens are grouped by slot (Punica's SGMV idea, on CPU): per active slot one shrink GEMM over its rows and
-one expand GEMM per output slice, using only the slot's own rank. A slot whose rows are one contiguous run
-is read and updated in place through views; otherwise its rows are gathered and scattered back with
-`index_add_`. Rows of the base model pay nothing, and a step without adapters costs one attribute test.
+B^T block-diagonal over the slices: [slots, n_slices * max_rank, out]), so shapes never change while
+adapters come and go. A step's tokens are grouped by slot (Punica's SGMV idea, on CPU) and each module
+takes one of two paths:
 
+- per slot: a shrink and an expand GEMM over the slot's rows, using only the slot's own rank; a slot whose
+  rows are one contiguous run is read and updated in place through views, otherwise its rows are gathered
+  and scattered back with `index_add_`;
+- stacked (several slots, while the stacked width stays within in + out): all rows through every active
+  slot's A at once, each row's other slots masked off, then one GEMM with the slots' B stacked. On CPU a
+  small GEMM costs ~35 us of fixed overhead however thin it is, so five calls beat a pair per slot.
+
+Rows of the base model pay nothing, and a step without adapters costs one attribute test per module.
 The model's modules are wrapped after loading (`wrap_model`); the wrapped base may be an `nn.Linear`, a
 prepacked oneDNN linear or a quantized one: it is only called.
 """
@@ -41,28 +47,53 @@ class LoRAStep:
     failed: list[BaseException | None] = field(default_factory=list)  # per slot: the load's error
     layer_events: list[list] = field(default_factory=list)  # per slot, per layer: a CUDA event (GPU loads)
     changed: threading.Condition = field(default_factory=threading.Condition)
+    num_rows: int = 0  # tokens in the step
+    max_rank: int = 0  # the highest rank among the step's slots
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # width per slot -> [rows, slots * width]
 
     def __post_init__(self) -> None:
         self.ready = [0] * self.num_slots
         self.failed = [None] * self.num_slots
         self.layer_events = [[] for _ in range(self.num_slots)]
 
-    def wait(self, slot: int, layer: int) -> None:
-        """Block until layer `layer` of `slot` is resident (the loader runs ahead on its own thread)."""
+    def set_segments(self, segments: list[Segment], num_rows: int) -> None:
+        self.segments, self.num_rows = segments, num_rows
+        self.max_rank = max((seg.rank for seg in segments), default=0)
+        self._masks = {}
+
+    def mask(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[rows, segments * width]: 1 where a row belongs to the segment whose `width` columns these are (the
+        stacked path computes every slot's shrink for every row and keeps each row's own)."""
+        mask = self._masks.get(width)
+        if mask is None:
+            mask = torch.zeros(self.num_rows, len(self.segments) * width, dtype=dtype, device=device)
+            for j, seg in enumerate(self.segments):
+                mask[seg.rows, j * width:(j + 1) * width] = 1
+            self._masks[width] = mask
+        return mask
+
+    def wait(self, slot: int, layer: int) -> bool:
+        """Block until layer `layer` of `slot` is resident (the loader runs ahead on its own thread); False if
+        its load failed (the slot's rows then run without LoRA and the engine fails their requests)."""
         if self.ready[slot] <= layer:
             with self.changed:
                 while self.ready[slot] <= layer and self.failed[slot] is None:
                     self.changed.wait()
-            error = self.failed[slot]
-            if error is not None and self.ready[slot] <= layer:
-                raise RuntimeError(f"loading the LoRA adapter of slot {slot} failed: {error}") from error
+            if self.ready[slot] <= layer:
+                return False
         events = self.layer_events[slot]
         if events:  # a GPU: the compute stream waits for the copy stream's event of this layer only
             torch.cuda.current_stream().wait_event(events[layer])
+        return True
 
 
 class LoRALinear(nn.Module):
-    """A base linear plus the LoRA of whichever slot each row's request uses."""
+    """A base linear plus the LoRA of whichever slot each row's request uses.
+
+    Per slot, A holds the adapter's slices' rows one after another (n_slices * r rows, r its own rank) and B^T
+    is block-diagonal over them ([n_slices * r, out]: slice i's rows feed only slice i's columns), so a
+    segment costs two GEMMs whatever the number of slices: on CPU the calls, not the zeros, are the cost.
+    """
 
     def __init__(self, base: nn.Module, layer: int, shape: ModuleShape, num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, step: LoRAStep) -> None:
@@ -74,58 +105,76 @@ class LoRALinear(nn.Module):
         self.out_features = sum(shape.slice_sizes)
         self.register_buffer("lora_a", torch.zeros(num_slots, n * max_rank, shape.in_features, dtype=dtype,
                                                    device=device), persistent=False)
-        for i, size in enumerate(shape.slice_sizes):
-            self.register_buffer(f"lora_bt{i}", torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device),
-                                 persistent=False)
-        self.lora_bt = [getattr(self, f"lora_bt{i}") for i in range(n)]
-        # per slot: which output slices the slot's adapter adapts (none: the module is skipped for it)
-        self.present: list[tuple[bool, ...]] = [(False,) * n for _ in range(num_slots)]
+        self.register_buffer("lora_bt", torch.zeros(num_slots, n * max_rank, self.out_features, dtype=dtype,
+                                                    device=device), persistent=False)
+        self.adapted = [False] * num_slots  # the slot's adapter adapts this module (else it is skipped)
+        self.stack_limit = shape.in_features + self.out_features
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, list[torch.Tensor | None]] | None, rank: int,
                   non_blocking: bool = False) -> None:
         """Copy one adapter's weights of this module into `slot` (None: the adapter does not adapt it)."""
+        self.lora_a[slot].zero_()  # the stacked path reads whole slots: nothing of an earlier adapter may stay
+        self.lora_bt[slot].zero_()
         if weights is None:
-            self.present[slot] = (False,) * len(self.lora_bt)
+            self.adapted[slot] = False
             return
         a, bts = weights
-        self.lora_a[slot, :a.shape[0]].copy_(a, non_blocking=non_blocking)
-        for dst, bt in zip(self.lora_bt, bts):
+        rows = len(bts) * rank
+        self.lora_a[slot, :rows].copy_(a, non_blocking=non_blocking)
+        b = self.lora_bt[slot, :rows]
+        for i, bt in enumerate(bts):
             if bt is not None:
-                dst[slot, :rank].copy_(bt, non_blocking=non_blocking)
-        self.present[slot] = tuple(bt is not None for bt in bts)
+                o = self.offsets[i]
+                b[i * rank:(i + 1) * rank, o:o + self.slice_sizes[i]].copy_(bt, non_blocking=non_blocking)
+        self.adapted[slot] = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        segments = self.step.segments
+        step = self.step
+        segments = step.segments
         if not segments:
             return y
-        step, layer = self.step, self.layer
+        layer, ready, n = self.layer, step.ready, len(self.slice_sizes)
+        if len(segments) > 1 and len(segments) * n * step.max_rank <= self.stack_limit:
+            return self._stacked(x, y, segments, n * step.max_rank)
         for seg in segments:
             slot = seg.slot
-            step.wait(slot, layer)
-            present = self.present[slot]
-            if not any(present):
+            if (ready[slot] <= layer or step.layer_events[slot]) and not step.wait(slot, layer):
                 continue
-            r = seg.rank
-            a = self.lora_a[slot, :len(present) * r]
+            if not self.adapted[slot]:
+                continue
+            k = n * seg.rank
             rows = seg.rows
             if isinstance(rows, slice):  # one contiguous run: updated in place
-                xs, target = x[rows], y[rows]
+                y[rows].addmm_(torch.mm(x[rows], self.lora_a[slot, :k].t()), self.lora_bt[slot, :k])
             else:
-                xs = x.index_select(0, rows)
-                target = torch.zeros(xs.shape[0], self.out_features, dtype=y.dtype, device=y.device)
-            h = torch.mm(xs, a.t())
-            for i, bt in enumerate(self.lora_bt):
-                if present[i]:
-                    o = self.offsets[i]
-                    target[:, o:o + self.slice_sizes[i]].addmm_(h[:, i * r:(i + 1) * r], bt[slot, :r])
-            if not isinstance(rows, slice):
-                y.index_add_(0, rows, target)
+                h = torch.mm(x.index_select(0, rows), self.lora_a[slot, :k].t())
+                y.index_add_(0, rows, torch.mm(h, self.lora_bt[slot, :k]))
         return y
 
+    def _stacked(self, x: torch.Tensor, y: torch.Tensor, segments: list[Segment], width: int) -> torch.Tensor:
+        """Several slots in few calls: every row through all the step's slots' A (stacked), the other slots'
+        columns masked off, then one GEMM with their B stacked. Taken while the stacked width stays within
+        the module's own (in + out): the wasted FLOPs then cost less than a GEMM pair per slot."""
+        step = self.step
+        for seg in segments:
+            slot = seg.slot
+            if (step.ready[slot] <= self.layer or step.layer_events[slot]) and not step.wait(slot, self.layer):
+                self.lora_a[slot].zero_()  # a failed load: its rows get no LoRA (their requests fail)
+                self.lora_bt[slot].zero_()
+        slots = [seg.slot for seg in segments]
+        if slots == list(range(slots[0], slots[0] + len(slots))) and width == self.lora_a.shape[1]:
+            a = self.lora_a[slots[0]:slots[-1] + 1].flatten(0, 1)
+            b = self.lora_bt[slots[0]:slots[-1] + 1].flatten(0, 1)
+        else:
+            index = torch.tensor(slots, device=x.device)
+            a = self.lora_a.index_select(0, index)[:, :width].reshape(-1, self.lora_a.shape[2])
+            b = self.lora_bt.index_select(0, index)[:, :width].reshape(-1, self.out_features)
+        h = torch.mm(x, a.t()).mul_(step.mask(width, x.dtype, x.device))
+        return y.addmm_(h, b)
+
     def extra_repr(self) -> str:
-        return f"layer={self.layer}, slots={self.lora_a.shape[0]}, max_rank={self.lora_bt[0].shape[1]}, " \
-               f"slices={self.slice_sizes}"
+        return f"layer={self.layer}, slots={self.lora_a.shape[0]}, slices={self.slice_sizes}"
 
 
 def model_targets(model: nn.Module, model_name: str) -> LoRATargets:

@@ -138,7 +138,8 @@ class LoRAManager:
             offset += n
         step = self.step
         if not needed:
-            step.segments = []
+            if step.segments:
+                step.set_segments([], 0)
             return
         segments = []
         for lora_id, lora in needed.items():
@@ -151,8 +152,9 @@ class LoRAManager:
             segments.append(Segment(slot, self._host_rank(slot), rows))
         if not self.layerwise:
             for seg in segments:
-                step.wait(seg.slot, self.targets.num_layers - 1)
-        step.segments = segments
+                step.wait(seg.slot, self.targets.num_layers - 1)  # a failure shows in take_failed
+        segments.sort(key=lambda seg: seg.slot)
+        step.set_segments(segments, offset)
 
     def _host_rank(self, slot: int) -> int:
         job = self._slot_jobs[slot]
@@ -217,6 +219,25 @@ class LoRAManager:
             except LoRAAdapterError:
                 logger.warning("prefetching LoRA adapter %r failed; its request will fail when scheduled",
                                lora.lora_name, exc_info=True)
+
+    def take_failed(self) -> list[tuple[LoRARequest, BaseException]]:
+        """Adapters whose load failed after they were validated (a file changed or vanished), each with its error;
+        their slot is freed and they are forgotten, so the next request that names one validates it again."""
+        failed = []
+        step = self.step
+        for slot, error in enumerate(step.failed):
+            if error is None:
+                continue
+            lora = self._slot_jobs[slot].host.lora
+            failed.append((lora, error))
+            with step.changed:
+                step.failed[slot], step.ready[slot] = None, 0
+            del self._slot_of[self._slot_ids[slot]]
+            self._slot_ids[slot] = self._slot_jobs[slot] = None
+            self._host.pop(lora.lora_int_id, None)
+            if self._registered.get(lora.lora_name) == lora:
+                del self._registered[lora.lora_name]
+        return failed
 
     def stats(self, running: Iterable[LoRARequest | None], waiting: Iterable[LoRARequest | None]) -> LoRAStats:
         def names(loras):

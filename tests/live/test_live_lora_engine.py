@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ecoserve.bench.lora import random_lora_adapter
+from ecoserve.bench.adapters import random_lora_adapter
 from tests.live.conftest import MAX_MODEL_LEN, instance_args, start_strategy, wait_until
 
 PROMPT = "the quick brown fox"

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from ecoserve.bench.lora import random_lora_adapter
+from ecoserve.bench.adapters import random_lora_adapter
 from ecoserve.server.lora import LoRAModulePath, parse_lora_module, runtime_updates_allowed
 from tests.server.conftest import start_server
 
