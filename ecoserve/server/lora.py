@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ecoserve.server.errors import APIError, bad_request, from_validation_error
 
@@ -149,9 +149,8 @@ def lora_router(models: LoRAModels) -> APIRouter:
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
+    """The body as `model`; its first problem (bad JSON, a missing or unknown field) as a 400 naming the field."""
     try:
         return model.model_validate_json(body or b"{}")
-    except Exception as e:  # pydantic's ValidationError: the first problem, as a 400 naming the field
-        if hasattr(e, "errors"):
-            raise from_validation_error(e) from None
-        raise bad_request(str(e)) from None
+    except ValidationError as e:
+        raise from_validation_error(e) from None
