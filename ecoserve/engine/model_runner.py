@@ -12,6 +12,7 @@ rank of a parallel instance samples constrained rows exactly as the single proce
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,10 +22,14 @@ from ecoserve.engine.guided import GrammarMasks
 from ecoserve.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from ecoserve.sched.interface import SchedulerOutput, StepResult
 
+if TYPE_CHECKING:
+    from ecoserve.lora import LoRAManager
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str = "cpu",
-                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None, lora=None) -> None:
+                 seed: int = 0, kv_cache_dtype: torch.dtype | None = None,
+                 lora: "LoRAManager | None" = None) -> None:
         """`kv_cache_dtype`: the KV cache's element type (None: the model's dtype). `lora`: the engine's
         `ecoserve.lora.LoRAManager` (its modules wrap the model's) or None."""
         self.model = model

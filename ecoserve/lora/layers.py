@@ -44,6 +44,7 @@ class LoRAStep:
     num_slots: int
     segments: list[Segment] = field(default_factory=list)
     ready: list[int] = field(default_factory=list)  # per slot: layers whose weights are in place
+    versions: list[int] = field(default_factory=list)  # per slot: bumped whenever another adapter is put in it
     failed: list[BaseException | None] = field(default_factory=list)  # per slot: the load's error
     layer_events: list[list] = field(default_factory=list)  # per slot, per layer: a CUDA event (GPU loads)
     changed: threading.Condition = field(default_factory=threading.Condition)
@@ -53,6 +54,7 @@ class LoRAStep:
 
     def __post_init__(self) -> None:
         self.ready = [0] * self.num_slots
+        self.versions = [0] * self.num_slots
         self.failed = [None] * self.num_slots
         self.layer_events = [[] for _ in range(self.num_slots)]
 
@@ -109,6 +111,8 @@ class LoRALinear(nn.Module):
                                                     device=device), persistent=False)
         self.adapted = [False] * num_slots  # the slot's adapter adapts this module (else it is skipped)
         self.stack_limit = shape.in_features + self.out_features
+        self._stack_key: tuple | None = None  # what `_stack` (A and B of the last stacked slots) was built for
+        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, list[torch.Tensor | None]] | None, rank: int,
                   non_blocking: bool = False) -> None:
@@ -155,21 +159,29 @@ class LoRALinear(nn.Module):
     def _stacked(self, x: torch.Tensor, y: torch.Tensor, segments: list[Segment], width: int) -> torch.Tensor:
         """Several slots in few calls: every row through all the step's slots' A (stacked), the other slots'
         columns masked off, then one GEMM with their B stacked. Taken while the stacked width stays within
-        the module's own (in + out): the wasted FLOPs then cost less than a GEMM pair per slot."""
+        the module's own (in + out): the wasted FLOPs then cost less than a GEMM pair per slot. The stacked
+        copies are kept while the step's slots, their adapters and the width stay the same (most steps)."""
         step = self.step
+        broken = False
         for seg in segments:
             slot = seg.slot
             if (step.ready[slot] <= self.layer or step.layer_events[slot]) and not step.wait(slot, self.layer):
                 self.lora_a[slot].zero_()  # a failed load: its rows get no LoRA (their requests fail)
                 self.lora_bt[slot].zero_()
-        slots = [seg.slot for seg in segments]
-        if slots == list(range(slots[0], slots[0] + len(slots))) and width == self.lora_a.shape[1]:
-            a = self.lora_a[slots[0]:slots[-1] + 1].flatten(0, 1)
-            b = self.lora_bt[slots[0]:slots[-1] + 1].flatten(0, 1)
-        else:
-            index = torch.tensor(slots, device=x.device)
-            a = self.lora_a.index_select(0, index)[:, :width].reshape(-1, self.lora_a.shape[2])
-            b = self.lora_bt.index_select(0, index)[:, :width].reshape(-1, self.out_features)
+                broken = True
+        slots = tuple(seg.slot for seg in segments)
+        key = (slots, width, tuple(step.versions[slot] for slot in slots))
+        if broken or key != self._stack_key:
+            if slots == tuple(range(slots[0], slots[0] + len(slots))):
+                a = self.lora_a[slots[0]:slots[-1] + 1, :width]
+                b = self.lora_bt[slots[0]:slots[-1] + 1, :width]
+            else:
+                index = torch.tensor(slots, device=x.device)
+                a = self.lora_a[:, :width].index_select(0, index)
+                b = self.lora_bt[:, :width].index_select(0, index)
+            self._stack = (a.reshape(-1, a.shape[2]), b.reshape(-1, b.shape[2]))  # a view when already contiguous
+            self._stack_key = None if broken else key
+        a, b = self._stack
         h = torch.mm(x, a.t()).mul_(step.mask(width, x.dtype, x.device))
         return y.addmm_(h, b)
 

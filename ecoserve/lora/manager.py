@@ -192,6 +192,7 @@ class LoRAManager:
             self.num_slot_evictions += 1
         self._slot_ids[slot] = lora.lora_int_id
         self._slot_of[lora.lora_int_id] = slot
+        self.step.versions[slot] += 1  # stacked copies of the slot's old adapter are stale
         self._slot_jobs[slot] = self.loader.submit(host, slot, priority)
         self.num_slot_loads += 1
         return slot
