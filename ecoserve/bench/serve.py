@@ -95,10 +95,19 @@ async def _first_model(base_url: str) -> str:
             return (await resp.json())["data"][0]["id"]
 
 
+def request_models(n: int, model: str, lora_modules: list[str] | None, seed: int) -> list[str]:
+    """Each request's `model`: with `lora_modules` (vLLM's flag), one of those adapters drawn at random (seeded)."""
+    if not lora_modules:
+        return [model] * n
+    picks = np.random.default_rng(seed + 1).integers(len(lora_modules), size=n)
+    return [lora_modules[int(k)] for k in picks]
+
+
 async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest], api_url: str,
                         sender: Sender) -> tuple[list[RequestOutput], float]:
-    inputs = [RequestInput(api_url, args.model, r.prompt, r.prompt_len, r.expected_output_len,
-                           args.ignore_eos, args.temperature) for r in requests]
+    models = request_models(len(requests), args.model, getattr(args, "lora_modules", None), args.seed)
+    inputs = [RequestInput(api_url, model, r.prompt, r.prompt_len, r.expected_output_len,
+                           args.ignore_eos, args.temperature) for r, model in zip(requests, models)]
     times = arrival_times(len(inputs), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
     # limit=0: no connection cap of our own; --max-concurrency is the only client-side limit.
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
@@ -227,6 +236,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--endpoint", default=None, help="API path; default per backend")
     p.add_argument("--model", default=None, help="model name to send; default: the first of GET /v1/models")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves: each request names one, drawn at random (as vLLM's)")
     p.add_argument("--tokenizer", default=None,
                    help="local HF tokenizer dir (default: --model); if none loads, counts come from the usage block")
     p.add_argument("--dataset-name", choices=list(DATASETS), default="random")

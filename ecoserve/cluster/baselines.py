@@ -13,7 +13,7 @@ from ecoserve.clock import Clock
 from ecoserve.cluster.controller import ControllerBase, NoInstanceError
 from ecoserve.cluster.events import (STAGING, Action, Dispatch, InstanceSetup, KVPath, PrefillDone, RequestArrived,
                                      TransferDone, TransferKV)
-from ecoserve.cluster.status import InstanceStatus, StatusOf
+from ecoserve.cluster.status import InstanceStatus, StatusOf, prefer_holders
 
 FUDG_DECODE_BUDGET = 1 << 15  # a decode instance's token budget: decodes only, so as many as it seats
 
@@ -34,9 +34,15 @@ class NoDGRouter:
         if self.policy not in ("round_robin", "least_loaded"):
             raise ValueError(f"policy must be 'round_robin' or 'least_loaded', got {self.policy!r}")
 
-    def route(self, status_of: StatusOf) -> int:
+    def route(self, status_of: StatusOf, lora_name: str | None = None, prompt_len: int = 0) -> int:
+        """The balancing policy's pick; a request for a LoRA adapter goes to the least loaded instance that holds
+        it while one has room."""
         if not self.instances:
             raise NoInstanceError("no instance is ready: every instance was lost (restarted ones rejoin once ready)")
+        if lora_name is not None:
+            holders = prefer_holders(self.instances, lora_name, prompt_len, status_of)
+            if len(holders) < len(self.instances):
+                return min(holders, key=lambda i: (_load(status_of(i)), i))
         if self.policy == "round_robin":
             iid = self.instances[self._next % len(self.instances)]
             self._next += 1
@@ -60,8 +66,11 @@ class FuDGRouter:
             raise ValueError(f"FuDG needs at least one prefill and one decode instance, got "
                              f"{len(self.prefill)}P:{len(self.decode)}D")
 
-    def route_prefill(self, status_of: StatusOf) -> int:
-        return min(self.prefill, key=lambda i: (sum(q.prompt_len for q in status_of(i).requests), i))
+    def route_prefill(self, status_of: StatusOf, lora_name: str | None = None, prompt_len: int = 0) -> int:
+        """The prefill instance with the fewest queued prompt tokens, among those holding the request's adapter
+        while one has room."""
+        return min(prefer_holders(self.prefill, lora_name, prompt_len, status_of),
+                   key=lambda i: (sum(q.prompt_len for q in status_of(i).requests), i))
 
     def route_decode(self, status_of: StatusOf, kv_tokens: int) -> int | None:
         """The decode instance with most free KV, or None if none has room for `kv_tokens`."""
@@ -96,7 +105,8 @@ class NoDGController(ControllerBase):
         self.router = NoDGRouter(list(instances), balance)
 
     def on_arrival(self, req: RequestArrived) -> list[Action]:
-        return [Dispatch(req.request_id, self.router.route(self.status_of), req.max_tokens)]
+        return [Dispatch(req.request_id, self.router.route(self.status_of, req.lora_name, req.prompt_len),
+                         req.max_tokens)]
 
     def on_instance_joined(self, instance_id: int) -> list[Action]:
         if instance_id not in self.router.instances:
@@ -141,7 +151,7 @@ class FuDGController(ControllerBase):
         if req.request_id in self.staged:  # a migrated request starts over: the KV it staged is gone
             self.staged.remove(req.request_id)
         if self.disaggregated:
-            return [Dispatch(req.request_id, self.router.route_prefill(self.status_of), 1)]
+            return [Dispatch(req.request_id, self.router.route_prefill(self.status_of, req.lora_name, req.prompt_len), 1)]
         return [Dispatch(req.request_id, self._survivor(), req.max_tokens)]
 
     def _survivor(self) -> int:

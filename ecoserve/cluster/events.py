@@ -28,6 +28,7 @@ class RequestArrived:
     prompt_len: int
     max_tokens: int
     arrival_time: float
+    lora_name: str | None = None  # the LoRA adapter it runs with (routed by affinity); None: the base model
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ class PaDGController(ControllerBase):
     def on_arrival(self, req: RequestArrived) -> list[Action]:
         mac = self.overall.pick()
         return self._track(mac.submit(req.request_id, req.prompt_len, req.max_tokens, self.status_of,
-                                      self.clock.now()))
+                                      self.clock.now(), req.lora_name))
 
     def _track(self, acts: list[Action]) -> list[Action]:
         if self.mitosis is not None:

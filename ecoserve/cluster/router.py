@@ -85,6 +85,7 @@ class PendingRequest:
     prompt_len: int
     max_tokens: int
     queued_time: float
+    lora_name: str | None = None  # its LoRA adapter: an instance holding it is preferred
 
 
 class MacroInstance:
@@ -247,6 +248,11 @@ class MacroInstance:
         return [(self.cursor + k) % n for k in range(n)]
 
     def try_route(self, req: PendingRequest, status_of: StatusOf, now: float) -> int | None:
+        """The first instance in candidate order that passes Algorithm 1's checks; for a LoRA request, the first
+        passing one that holds its adapter when there is one, else one with a free adapter slot (the windows
+        roll as they would)."""
+        if req.lora_name is not None:
+            return self._try_route_adapter(req, status_of, now)
         for idx in self.candidate_order():
             iid = self.instances[idx]
             if self.check(status_of(iid), req.prompt_len, now, req.queued_time).ok:
@@ -254,10 +260,21 @@ class MacroInstance:
                 return iid
         return None
 
+    def _try_route_adapter(self, req: PendingRequest, status_of: StatusOf, now: float) -> int | None:
+        passing = [idx for idx in self.candidate_order()
+                   if self.check(status_of(self.instances[idx]), req.prompt_len, now, req.queued_time).ok]
+        if not passing:
+            return None
+        holding = [idx for idx in passing if req.lora_name in status_of(self.instances[idx]).loras]
+        with_slot = [idx for idx in passing if status_of(self.instances[idx]).free_lora_slots > 0]
+        self.cursor = (holding or with_slot or passing)[0]
+        return self.instances[self.cursor]
+
     def submit(self, request_id: str, prompt_len: int, max_tokens: int, status_of: StatusOf,
-               now: float) -> list[Action]:
+               now: float, lora_name: str | None = None) -> list[Action]:
         """Queue a request and return the actions for what can go now."""
-        return self.mode.submit(self, PendingRequest(request_id, prompt_len, max_tokens, now), status_of, now)
+        return self.mode.submit(self, PendingRequest(request_id, prompt_len, max_tokens, now, lora_name), status_of,
+                                now)
 
     def retry(self, status_of: StatusOf, now: float) -> list[Action]:
         """Dispatch waiting requests that can go now (paper mode: FIFO until the head fits nowhere)."""

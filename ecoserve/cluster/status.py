@@ -48,6 +48,8 @@ class InstanceStatus:
     max_num_seqs: int = 1 << 30
     window_open: bool = False
     window_start: float | None = None  # None: no window was ever commanded
+    loras: tuple[str, ...] = ()  # the LoRA adapters loaded on the instance (registered, ready to run)
+    free_lora_slots: int = 1 << 30  # more adapters its running batch may take (--max-loras less those running)
 
     @property
     def num_requests(self) -> int:
@@ -58,11 +60,33 @@ class InstanceStatus:
         return self.max_num_seqs - self.num_running - self.num_waiting
 
 
+def holds_adapter(st: InstanceStatus, lora_name: str, prompt_len: int) -> bool:
+    """Adapter affinity: `st` holds the adapter and has room for the request (a seat and its prompt's KV)."""
+    return lora_name in st.loras and st.free_seats >= 1 and st.free_kv_tokens >= prompt_len
+
+
+def prefer_holders(candidates: list[int], lora_name: str | None, prompt_len: int, status_of: "StatusOf") -> list[int]:
+    """The candidates that hold `lora_name` with room for the request and no more than their share of the
+    requests (the mean over the candidates, plus one: a popular adapter spreads instead of piling onto its
+    first holder), in the given order; else those with a free adapter slot (a request for a new adapter
+    would wait on the others); all of them when none is, or the request runs on the base model."""
+    if lora_name is None:
+        return candidates
+    statuses = {i: status_of(i) for i in candidates}
+    share = sum(st.num_requests for st in statuses.values()) / max(len(candidates), 1) + 1
+    holders = [i for i in candidates
+               if holds_adapter(statuses[i], lora_name, prompt_len) and statuses[i].num_requests <= share]
+    if holders:
+        return holders
+    return [i for i in candidates if statuses[i].free_lora_slots > 0] or candidates
+
+
 StatusOf = Callable[[int], InstanceStatus]  # a driver's reader of the freshest status of an instance
 
 
-def instance_status(instance_id: int, sched: "Scheduler") -> InstanceStatus:
-    """Snapshot a scheduler: running requests first, then queued ones (with their KV still to come)."""
+def instance_status(instance_id: int, sched: "Scheduler", loras: tuple[str, ...] = ()) -> InstanceStatus:
+    """Snapshot a scheduler: running requests first, then queued ones (with their KV still to come);
+    `loras`: the adapters the instance holds."""
     win = sched.window
     tas = win.tokens_at_open
     reqs = [RequestState(r.request_id, r.times.arrival, len(r.prompt_token_ids), r.times.first_token,
@@ -79,4 +103,5 @@ def instance_status(instance_id: int, sched: "Scheduler") -> InstanceStatus:
                           start if start is not None else sched.created_at, tuple(reqs),
                           kv.num_free_blocks * bs - queued, kv.num_blocks * bs,
                           len(sched.running), len(sched.waiting), sched.config.max_num_seqs,
-                          win.is_open and start is not None, start)
+                          win.is_open and start is not None, start, loras,
+                          sched.max_loras - len(sched.running_loras) if sched.max_loras is not None else 1 << 30)

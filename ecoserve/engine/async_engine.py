@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import queue
 import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -32,6 +33,7 @@ from ecoserve.structured import StructuredOutputsParams
 if TYPE_CHECKING:
     from ecoserve.engine.guided import GrammarCompiler
     from ecoserve.model.loader import LoadedModel
+    from ecoserve.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -221,8 +223,10 @@ class AsyncEngine:
         return len(sched.waiting) + len(sched.waiting_for_grammar) + self._adds_queued - self._adds_applied
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, arrival_time: float | None = None) -> RequestStream:
-        """Queue a request and return its stream of delta outputs, the last one with `finished` set.
+                 prompt: str | None = None, arrival_time: float | None = None,
+                 lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (through the adapter `lora_request`, when given) and return its stream of delta
+        outputs, the last one with `finished` set.
 
         Raises at once (nothing queued) on a bad prompt (ValueError), a dead engine, shutdown or a
         full waiting queue. Closing the stream early aborts the request.
@@ -241,7 +245,8 @@ class AsyncEngine:
         stream = _Stream()
         self._streams[request_id] = stream
         self._adds_queued += 1
-        command = ("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, params, arrival)
+        command = ("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids}, params, arrival,
+                   lora_request)
         self._commands.put(command)  # a grammar compiles on the grammar threads while the request waits unscheduled
         return RequestStream(self, request_id, stream)
 
@@ -266,6 +271,27 @@ class AsyncEngine:
 
     def metrics_collectors(self, model_name: str, prefix: str) -> list[Any]:
         return [SchedulerCollector(self.engine, model_name, prefix)]
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter on the engine thread, between steps; LoRAAdapterError (a ValueError) for a bad one."""
+        await self._on_engine_thread(self.engine.add_lora, lora)
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        return await self._on_engine_thread(self.engine.remove_lora, lora_name)
+
+    def lora_stats(self) -> Any:
+        return self.engine.lora_stats() if self.engine.config.lora is not None else None
+
+    async def _on_engine_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the engine thread (the engine is single-threaded), its result or error here."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead_error!r}")
+        if self._thread is None:
+            raise EngineShutdownError("the engine is not started")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, args, future))
+        return await asyncio.wrap_future(future)
 
     # ---- the loop side -------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -294,12 +320,19 @@ class AsyncEngine:
     # ---- the engine thread ---------------------------------------------------------------
     def _apply(self, command: tuple[Any, ...]) -> None:
         kind, request_id = command[0], command[1]
-        if kind == "add":
+        if kind == "call":
+            fn, args, future = command[1:]
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:  # the caller's error (a bad adapter), not the loop's
+                future.set_exception(e)
+        elif kind == "add":
             self._adds_applied += 1
             if request_id not in self._streams:
                 return  # its consumer left before the add arrived (e.g. while its grammar compiled)
             try:
-                self.engine.add_request(request_id, command[2], command[3], arrival_time=command[4])
+                lora = {"lora_request": command[5]} if command[5] is not None else {}
+                self.engine.add_request(request_id, command[2], command[3], arrival_time=command[4], **lora)
             except Exception as e:  # a bad request must not take the loop down
                 self._call_soon(self._fail, request_id, e)
         elif kind == "abort":

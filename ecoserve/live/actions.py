@@ -116,7 +116,8 @@ class Dispatcher:
         req.instance = h.instance_id
         seq = self.fe.board.dispatched(h, req.request_id, len(ids), time.monotonic())
         self.fe.send(h, m.AddRequest(seq, req.request_id, ids, params, req.prompt, req.continues, a.imported_tokens,
-                                     len(produced), num_output_chars=req.num_output_chars() if produced else 0))
+                                     len(produced), num_output_chars=req.num_output_chars() if produced else 0,
+                                     lora=m.LoRAAdapter.of(req.lora) if req.lora is not None else None))
 
     def finish(self, a: ev.FinishRequest) -> None:
         req = self.fe.requests.get(a.request_id)

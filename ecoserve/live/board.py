@@ -103,6 +103,7 @@ class InstanceView:
     window_open: bool  # the frontend opened its prefill window and has not closed it (never while lost)
     num_running: int | None  # as the instance last reported (None: no status yet)
     num_waiting: int | None
+    loras: tuple[str, ...] = ()  # the LoRA adapters it holds, as it last reported
 
 
 def view_of(h: InstanceHandle, topology: Topology | None, num_dispatched: int, now: float) -> InstanceView:
@@ -123,7 +124,8 @@ def view_of(h: InstanceHandle, topology: Topology | None, num_dispatched: int, n
                         now - h.status_received if st else None, len(h.requests), st.free_kv_tokens if st else None,
                         h.num_windows, h.lost_reason, num_dispatched,
                         msgspec.to_builtins(h.ready.engine) if h.ready else None, h.restarts,
-                        h.window_open and h.state != "lost",                        st.num_running if st else None, st.num_waiting if st else None)
+                        h.window_open and h.state != "lost",                        st.num_running if st else None, st.num_waiting if st else None,
+                        st.loras if st else ())
 
 
 def _rebase(st: InstanceStatus, offset: float, routed: dict[str, float], first: dict[str, float]) -> InstanceStatus:

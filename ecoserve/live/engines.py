@@ -9,11 +9,15 @@ from __future__ import annotations
 import logging
 import time
 
-from ecoserve.live.messages import AddRequest, Delta
+from ecoserve.live.messages import AddRequest, Delta, LoRAAdapter
 from ecoserve.request import Request, RequestOutput
 from ecoserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class RequestRefusedError(ValueError):
+    """An engine refused a request for its own content (a LoRA adapter it cannot load): the client's error."""
 
 
 def deltas_of(out: RequestOutput, with_prompt_logprobs: bool) -> list[Delta]:
@@ -50,6 +54,7 @@ class RealEngine:
         self.max_model_len = engine.max_model_len
         self.quantization = engine.loaded.quantization
         self.kv_dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
+        self._loras: dict[str, int] = {}  # adapters this instance loaded for the frontend: name -> id
 
     def kv_frame_sizes(self, num_blocks: int) -> list[int]:
         """The frames a transfer of `num_blocks` blocks carries: K and V, each half the KV bytes."""
@@ -60,8 +65,9 @@ class RealEngine:
         """Queue a request (ValueError for bad input or a duplicate id; nothing changes then)."""
         # a decode leg's grammar starts where the other instance left it: after the outputs at the prompt's end
         carried = msg.prompt_token_ids[-msg.num_output_tokens:] if msg.num_output_tokens else ()
+        adapter = {"lora_request": self._lora(msg.lora)} if msg.lora is not None else {}
         self.engine.add_request(msg.request_id, {"prompt": msg.prompt, "prompt_token_ids": msg.prompt_token_ids},
-                                msg.params, grammar_accepted=carried)
+                                msg.params, grammar_accepted=carried, **adapter)
         if msg.num_output_tokens:  # output produced elsewhere: the text goes on from what the client has
             self.engine.resume_output(msg.request_id, msg.num_output_tokens, msg.num_output_chars)
         if msg.pin_kv:
@@ -71,6 +77,28 @@ class RealEngine:
         except ValueError:
             self.engine.abort_request(msg.request_id)
             raise
+
+    def _lora(self, adapter: LoRAAdapter):
+        """The adapter as a LoRARequest, loaded here first if this instance lacks it (or holds an older one of
+        that name); RequestRefusedError (a ValueError) for one the engine refuses."""
+        from ecoserve.request import LoRARequest
+
+        lora = LoRARequest(adapter.name, adapter.int_id, adapter.path, adapter.base_model_name)
+        held = self._loras.get(adapter.name)
+        if held != adapter.int_id:
+            if held is not None:
+                self.engine.remove_lora(adapter.name)
+                del self._loras[adapter.name]
+            try:
+                self.engine.add_lora(lora)
+            except ValueError as e:  # LoRAAdapterError: the request's adapter, not this instance, is at fault
+                raise RequestRefusedError(str(e)) from None
+            self._loras[adapter.name] = adapter.int_id
+        return lora
+
+    def resident_loras(self) -> tuple[str, ...]:
+        """The adapters loaded here (what adapter-affinity routing reads from the status)."""
+        return tuple(self._loras)
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort_request(request_ids)
@@ -179,10 +207,16 @@ class MockEngine:
         self._requests: dict[str, Request] = {}
         self.text = text
         self.stuck = False
+        self._loras: dict[str, int] = {}  # adapters named by requests: "loaded" on first use, as a real one is
+
+    def resident_loras(self) -> tuple[str, ...]:
+        return tuple(self._loras)
 
     def add(self, msg: AddRequest) -> None:
         if msg.request_id in self._requests:
             raise ValueError(f"request id {msg.request_id!r} is already in use")
+        if msg.lora is not None:
+            self._loras[msg.lora.name] = msg.lora.int_id
         params = msg.params.clone(ignore_eos=True, n=1)
         req = Request(msg.request_id, list(msg.prompt_token_ids), params, time.monotonic())
         self.scheduler.add_request(req)

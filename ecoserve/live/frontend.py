@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import weakref
 from typing import Any, Callable
@@ -130,6 +131,7 @@ class ClusterEngine:
         self._early: list[ev.Event] = []  # joins and arrivals before the controller exists
         self.ready = asyncio.Event()
         self._accepting = True
+        self._loras: dict[str, Any] = {}  # name -> the LoRARequest registered by add_lora
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -247,7 +249,8 @@ class ClusterEngine:
         return sum(1 for r in self.requests.values() if r.instance is None)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, arrival_time: float | None = None) -> ClusterStream:
+                 prompt: str | None = None, arrival_time: float | None = None,
+                 lora_request: Any = None) -> ClusterStream:
         if self.dead_error is not None:
             raise EngineDeadError(f"the cluster frontend failed: {self.dead_error!r}")
         if not self._accepting or self._loop is None:
@@ -261,11 +264,14 @@ class ClusterEngine:
         params = validate_params(params, self.model.vocab_size, self.model.tokenizer is not None)
         now = time.monotonic()
         arrival = now if arrival_time is None else arrival_time
+        if lora_request is not None and self._loras.get(lora_request.lora_name) is not lora_request:
+            raise ValueError(f"model: the LoRA adapter {lora_request.lora_name!r} is not loaded")
         req = LiveRequest(request_id, prompt, list(prompt_token_ids), params, arrival,
-                          now + self.opts.request_timeout_s)
+                          now + self.opts.request_timeout_s, lora=lora_request)
         self.requests[request_id] = req
         self.post(ev.RequestArrived(request_id, len(req.prompt_token_ids),
-                                    req.remaining_tokens(self.model.max_model_len), arrival))
+                                    req.remaining_tokens(self.model.max_model_len), arrival,
+                                    lora_request.lora_name if lora_request is not None else None))
         return ClusterStream(self, req)
 
     def _validate(self, ids: list[int]) -> None:
@@ -297,6 +303,22 @@ class ClusterEngine:
 
     async def check_grammar(self, spec: StructuredOutputsParams) -> None:
         await check_grammar(self._grammars, spec)
+
+    # ---- LoRA adapters: registered here, loaded by an instance when a request for one reaches it ----------
+    async def add_lora(self, lora: Any) -> None:
+        """Register an adapter whose PEFT checkpoint is readable here (the instances share the file system);
+        an instance loads it with the first request routed to it, and refuses it then if its engine cannot."""
+        config = os.path.join(lora.lora_path, "adapter_config.json")
+        if not os.path.isfile(config):
+            raise ValueError(f"no adapter found at {lora.lora_path!r}: {config} does not exist")
+        self._loras[lora.lora_name] = lora
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter: new requests cannot name it; instances keep it until one of that name replaces it."""
+        return self._loras.pop(lora_name, None) is not None
+
+    def lora_stats(self) -> Any:
+        return None  # per instance in /cluster (`loras`); the instances' engines count loads and evictions
 
     # ---- what the collaborators share (`shared.Frontend`) ------------------------------------
     def post(self, event: ev.Event) -> None:

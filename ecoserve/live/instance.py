@@ -25,6 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ecoserve.cluster.status import instance_status
 from ecoserve.live import messages as m
 from ecoserve.live.auth import ClusterAuth, make_client, start_authenticator
+from ecoserve.live.engines import RequestRefusedError
 from ecoserve.live.kv import KVExpectation, KVHeader, KVSender, ZmqKVConnector, check_transfer
 
 logger = logging.getLogger(__name__)
@@ -254,7 +255,7 @@ class InstanceLoop:
 
     def _send_status(self) -> None:
         self._status_seq += 1
-        st = instance_status(self.instance_id, self.engine.scheduler)
+        st = instance_status(self.instance_id, self.engine.scheduler, self.engine.resident_loras())
         self.send(m.Status(self._status_seq, self._last_dispatch, st))
 
     def _drain_commands(self) -> bool:
@@ -281,7 +282,7 @@ class InstanceLoop:
                 self.engine.add(msg)
             except ValueError as e:
                 logger.warning("refused request %s: %s", msg.request_id, e)
-                self.send(m.RequestFailed(msg.request_id, str(e)))
+                self.send(m.RequestFailed(msg.request_id, str(e), refused=isinstance(e, RequestRefusedError)))
                 return
             if msg.pin_kv:
                 self._pinned[msg.request_id] = len(msg.prompt_token_ids)

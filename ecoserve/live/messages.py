@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 
 # 2: AddRequest.num_output_tokens (a grammar continues on the decode leg); 3: Ready.max_step_ms; 4: Ready.engine;
 # 5: Ready.kv_dtype, ExpectKV (an instance accepts only the KV transfers it was told to expect)
-PROTOCOL_VERSION = 5
+# 6: AddRequest.lora, InstanceStatus.loras / free_lora_slots, RequestFailed.refused (LoRA adapters load on
+#    demand; routing prefers their holders; a bad adapter is the client's error)
+PROTOCOL_VERSION = 6
 
 
 class Msg(msgspec.Struct, tag=True, frozen=True):
@@ -30,6 +32,19 @@ class Welcome(Msg):
     """The frontend accepted a `Ready`: this is the id the instance is known by."""
 
     instance_id: int
+
+
+class LoRAAdapter(msgspec.Struct, frozen=True):
+    """A LoRA adapter as the frontend registered it (the same id on every instance)."""
+
+    name: str
+    int_id: int
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def of(cls, lora) -> "LoRAAdapter":  # an ecoserve.request.LoRARequest
+        return cls(lora.lora_name, lora.lora_int_id, lora.lora_path, lora.base_model_name)
 
 
 class AddRequest(Msg):
@@ -50,6 +65,7 @@ class AddRequest(Msg):
     imported_tokens: int = 0
     num_output_tokens: int = 0
     num_output_chars: int = 0
+    lora: LoRAAdapter | None = None  # run through this adapter, loaded first if the instance lacks it
 
 
 class Abort(Msg):
@@ -168,10 +184,13 @@ class ImportedKV(Msg):
 
 
 class RequestFailed(Msg):
-    """The instance refused or lost a request (bad input, duplicate id, failed KV transfer)."""
+    """The instance refused or lost a request (bad input, duplicate id, failed KV transfer).
+
+    `refused`: the request itself was bad (a LoRA adapter the engine cannot load): the client's error."""
 
     request_id: str
     reason: str
+    refused: bool = False
 
 
 class Heartbeat(Msg):

@@ -236,5 +236,9 @@ class Receiver:
         if msg.request_id not in h.requests:  # it runs the request, or its KV moves through it
             self._reject(h, msg, msg.request_id)
             return
+        if msg.refused:  # bad input the frontend could not see (a LoRA adapter the engine refuses): a 400
+            logger.warning("instance %d refused request %s: %s", h.instance_id, msg.request_id, msg.reason)
+            self.fe.fail(req, ValueError(msg.reason))
+            return
         logger.error("instance %d failed request %s: %s", h.instance_id, msg.request_id, msg.reason)
         self.fe.fail(req, InstanceLostError(f"instance {h.instance_id} failed the request: {msg.reason}"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from ecoserve.live.messages import Delta
 from ecoserve.request import CompletionOutput, Logprobs, OutputHistory, RequestMetrics, RequestOutput
@@ -63,6 +64,7 @@ class LiveRequest:
     finished: float | None = None
     done: bool = False
     held: list[RequestOutput] = field(default_factory=list)  # outputs kept from the client (output hold)
+    lora: Any = None  # the LoRARequest it runs with; None: the base model
 
     def __post_init__(self) -> None:
         self.samples = [Sample() for _ in range(self.params.n)]

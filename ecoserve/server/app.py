@@ -18,6 +18,7 @@ from ecoserve.server.chat import create_chat_completion, encode_chat
 from ecoserve.server.completions import create_completion
 from ecoserve.server.engine_client import EngineClient
 from ecoserve.server.errors import APIError, bad_request, install_error_handlers
+from ecoserve.server.lora import LoRAModels, LoRAModulePath, lora_router
 from ecoserve.server.metrics import ServerMetrics
 from ecoserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ecoserve.server.serving import ServerState
@@ -33,7 +34,8 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
                api_key: str | None = None, metrics_prefix: str = "ecoserve", tool_call_parser: str | None = None,
                routers: Sequence[APIRouter] = (), max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                enable_admin_api: bool = False, metrics_public: bool = False,
-               otlp_traces_endpoint: str | None = None, tracer_provider: Any = None) -> FastAPI:
+               otlp_traces_endpoint: str | None = None, tracer_provider: Any = None, enable_lora: bool = False,
+               lora_modules: Sequence[LoRAModulePath] = (), allow_runtime_lora_updating: bool = False) -> FastAPI:
     """An app serving `engine`; the engine starts with the app's lifespan and stops with it.
 
     generation_config "auto": sampling fields a request omits take the model's generation_config.json
@@ -44,6 +46,8 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
     tagged `admin` served only with `enable_admin_api`; a body over `max_request_body_bytes` is a 413.
     `otlp_traces_endpoint` sends a span per request to that OTLP collector (`tracer_provider`, an
     OpenTelemetry TracerProvider, takes its place: tests pass one with an in-memory exporter).
+    With `enable_lora` the `lora_modules` are loaded at start-up and a request's `model` may name one;
+    `allow_runtime_lora_updating` adds the load/unload routes (server/lora.py).
     """
     if generation_config not in GENERATION_CONFIG_CHOICES:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {generation_config!r}")
@@ -51,8 +55,11 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
     if engine.observer is None:
         engine.observer = ServerMetrics(engine, name, metrics_prefix)
     parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+    if lora_modules and not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    loras = LoRAModels(engine, name, enable_lora) if enable_lora else None
     state = ServerState(engine, name, engine.observer, parser, use_generation_config=generation_config == "auto",
-                        tracer=_request_tracer(engine, name, otlp_traces_endpoint, tracer_provider))
+                        tracer=_request_tracer(engine, name, otlp_traces_endpoint, tracer_provider), loras=loras)
     _log_sampling_defaults(state, generation_config)
     created = int(time.time())
 
@@ -60,6 +67,8 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
     async def lifespan(app: FastAPI):
         engine.start()
         try:
+            for module in lora_modules:  # a bad one stops the start, naming it
+                await loras.load(module.name, module.path, module.base_model_name)
             yield
         finally:
             await engine.stop()
@@ -86,11 +95,13 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(loras.cards(created) if loras is not None else ())]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
-        state.check_model(model)
+        lora = state.check_model(model)
+        if lora is not None:
+            return next(c for c in loras.cards(created) if c["id"] == lora.lora_name)
         return model_card()
 
     @app.get("/health")
@@ -132,6 +143,8 @@ def create_app(engine: EngineClient, served_model_name: str | None = None, gener
             raise bad_request(f"tokens must be in [0, {vocab}), got {bad[:5]}", param="tokens")
         return {"prompt": await state.off_loop(state.tokenizer.decode, body.tokens)}
 
+    if loras is not None and allow_runtime_lora_updating:
+        app.include_router(lora_router(loras))
     guard = admin_api_guard(enable_admin_api)
     for router in routers:
         app.include_router(router, dependencies=[Depends(guard)])

@@ -24,7 +24,8 @@ from ecoserve.server.tools import ToolCalling, ToolStream, check_tools
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
     chat = await chat_input(state, body)
-    job = await Job.start(state, "chatcmpl", [chat.prompt], chat.params, chat.structured_param, raw.headers)
+    job = await Job.start(state, "chatcmpl", [chat.prompt], chat.params, chat.structured_param, raw.headers,
+                          chat.lora)
     if body.stream:
         return sse_response(job, "chat.completion.chunk", _chunks(state, body, chat.calling, job),
                             body.include_usage())
@@ -44,6 +45,7 @@ class ChatInput:
     params: SamplingParams
     structured_param: str  # the request field a bad output constraint is blamed on
     calling: ToolCalling
+    lora: Any = None  # the LoRARequest the request's `model` named
 
 
 async def chat_input(state: ServerState, body: ChatCompletionRequest) -> ChatInput:
@@ -51,7 +53,7 @@ async def chat_input(state: ServerState, body: ChatCompletionRequest) -> ChatInp
     sampling parameters."""
     body.check(state.max_model_len)
     check_tools(body.tools, body.tool_choice)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     calling = ToolCalling.of(body.tools, body.tool_choice, state.tool_parser)
     structured, param = calling.constraint(body.requested_structure(), body.tools, body.tool_choice,
                                            body.parallel_tool_calls)
@@ -61,7 +63,7 @@ async def chat_input(state: ServerState, body: ChatCompletionRequest) -> ChatInp
     max_tokens = body.requested_max_tokens()
     check_context(prompt, max_tokens, state.max_model_len, "messages")
     params = body.sampling_params(state.defaults, max_tokens, body.num_logprobs(), structured=structured)
-    return ChatInput(prompt, params, param, calling)
+    return ChatInput(prompt, params, param, calling, lora)
 
 
 def encode_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -122,7 +124,7 @@ def _completion(state: ServerState, body: ChatCompletionRequest, calling: ToolCa
         message, finish_reason = calling.message(c.text, c.finish_reason)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                         "stop_reason": c.stop_reason})
-    return {"id": job.request_id, "object": "chat.completion", "created": job.created, "model": state.model_name,
+    return {"id": job.request_id, "object": "chat.completion", "created": job.created, "model": job.model_name,
             "choices": choices, "usage": job.usage()}
 
 

@@ -11,6 +11,7 @@ import uvicorn
 from ecoserve.config import EngineArgs
 from ecoserve.server.auth import API_KEY_ENV
 from ecoserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from ecoserve.server.lora import RUNTIME_UPDATES_ENV, parse_lora_module, runtime_updates_allowed
 from ecoserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # importing the engine pulls in torch: not for `ecoserve instance --mock-profile`
@@ -54,7 +55,9 @@ def run_server(args: argparse.Namespace, engine: EngineClient, routers: Sequence
     app = create_app(engine, name, args.generation_config, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                      metrics_prefix=args.metrics_prefix, tool_call_parser=args.tool_call_parser, routers=routers,
                      max_request_body_bytes=args.max_request_body_bytes, enable_admin_api=args.enable_admin_api,
-                     metrics_public=args.metrics_public, otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None))
+                     metrics_public=args.metrics_public, otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+                     enable_lora=getattr(args, "enable_lora", False), lora_modules=args.lora_modules or (),
+                     allow_runtime_lora_updating=runtime_updates_allowed(args.allow_runtime_lora_updating))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=False, timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     GracefulServer(config, engine, args.shutdown_timeout, curl_example(args.host, args.port, name)).run()
@@ -103,6 +106,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="send an OpenTelemetry span per request (vLLM's llm_request, with gen_ai.* attributes and "
                         "the cluster's routing) to this OTLP collector, e.g. http://localhost:4317; gRPC unless "
                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; needs `pip install ecoserve[otel]`")
+    p.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT checkpoint folders) served under NAME, which requests send as `model`; "
+                        "also the JSON form '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; "
+                        "needs --enable-lora")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key); also "
+                        f"on with {RUNTIME_UPDATES_ENV}=True, as in vLLM")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     return p

@@ -14,13 +14,13 @@ from ecoserve.server.serving import ChoiceDeltas, Job, Prompt, ServerState, Toke
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
     body.check(state.max_model_len)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     prompts = await _prompts(state, body)
     num = body.logprobs
     structured, param = body.requested_structure()
     params = body.sampling_params(state.defaults, body.max_tokens, num, num if body.echo and num is not None else None,
                                   structured=structured)
-    job = await Job.start(state, "cmpl", prompts, params, param, raw.headers)
+    job = await Job.start(state, "cmpl", prompts, params, param, raw.headers, lora)
     if body.stream:
         return sse_response(job, "text_completion", _chunks(state, body, job), body.include_usage())
     finals = await job.run_to_end(raw)
@@ -29,7 +29,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     choices = [_choice(state, body, job, i, out, c, c.text, c.token_ids, c.logprobs or [], body.echo)
                for i, out in enumerate(finals) for c in out.outputs]
     return JSONResponse({"id": job.request_id, "object": "text_completion", "created": job.created,
-                         "model": state.model_name, "choices": choices, "usage": job.usage()})
+                         "model": job.model_name, "choices": choices, "usage": job.usage()})
 
 
 async def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:

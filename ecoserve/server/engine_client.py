@@ -5,12 +5,15 @@ engine's lifecycle only through this protocol; it never reaches into an engine's
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from ecoserve.engine.async_engine import ModelFacts, StepObserver
 from ecoserve.request import RequestOutput
 from ecoserve.sampling import SamplingParams
 from ecoserve.structured import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from ecoserve.request import LoRARequest
 
 
 class EngineClient(Protocol):
@@ -41,15 +44,30 @@ class EngineClient(Protocol):
 
     # ---- requests --------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's delta outputs, the last one `finished`. Raises at once on a bad request
-        (ValueError), a dead engine, shutdown or a full queue; closing the stream early aborts it."""
+                 prompt: str | None = None, arrival_time: float | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's delta outputs, the last one `finished`; with `lora_request`, through that adapter (one
+        `add_lora` registered). Raises at once on a bad request (ValueError), a dead engine, shutdown or a
+        full queue; closing the stream early aborts it."""
         ...
 
     def abort(self, request_id: str) -> None: ...
 
     async def check_grammar(self, spec: StructuredOutputsParams) -> None:
         """ValueError for a grammar the engine would refuse."""
+        ...
+
+    # ---- LoRA adapters (with --enable-lora) ---------------------------------------------------
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Make an adapter servable; ValueError (LoRAAdapterError) for one the engine cannot take."""
+        ...
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Drop an adapter; requests already running with it finish with it."""
+        ...
+
+    def lora_stats(self) -> Any:
+        """The engine's `LoRAStats` (running and waiting adapters, max_lora, loads, evictions), None without LoRA."""
         ...
 
     # ---- metrics ---------------------------------------------------------------------------

@@ -7,9 +7,11 @@ clock, in seconds).
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ecoserve.request import RequestOutput
 
@@ -42,6 +44,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         for collector in engine.metrics_collectors(model_name, prefix):
             self.registry.register(collector)
+        self.registry.register(LoRACollector(engine, model_name, prefix))
         self.model_name = model_name
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -137,3 +140,34 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoRACollector:
+    """vLLM's `lora_requests_info` (labels: the running and the waiting adapters, comma-separated, and
+    max_lora; value: when it was read, a Unix time) and counters of adapter loads and evictions (into host
+    memory, and into the batch's device slots), read from the engine client's `lora_stats()` (a
+    `ecoserve.lora.LoRAStats`) at scrape time; no series without --enable-lora."""
+
+    COUNTERS = (("lora_adapter_loads", "LoRA adapters read from disk into host memory.", "num_loads"),
+                ("lora_adapter_evictions", "LoRA adapters dropped from host memory (--max-cpu-loras).",
+                 "num_evictions"),
+                ("lora_slot_loads", "LoRA adapters loaded into a device slot of the batch.", "num_slot_loads"),
+                ("lora_slot_evictions", "LoRA adapters that lost their device slot to another (--max-loras).",
+                 "num_slot_evictions"))
+
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str) -> None:
+        self.engine, self.model_name, self.prefix = engine, model_name, prefix
+
+    def collect(self):
+        stats = self.engine.lora_stats() if hasattr(self.engine, "lora_stats") else None
+        if stats is None:
+            return
+        info = GaugeMetricFamily(self.prefix + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([self.model_name, ",".join(stats.running_lora_adapters),
+                         ",".join(stats.waiting_lora_adapters), str(stats.max_lora)], time.time())
+        yield info
+        for name, doc, attr in self.COUNTERS:
+            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], getattr(stats, attr))
+            yield c

@@ -83,6 +83,7 @@ class Job:
     params: SamplingParams
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
+    lora: Any = None  # the LoRARequest the request's `model` named; None for the base model
     finals: list[RequestOutput | None] = field(init=False)  # each prompt's latest output
 
     def __post_init__(self) -> None:
@@ -90,17 +91,19 @@ class Job:
 
     @classmethod
     async def start(cls, state: ServerState, prefix: str, prompts: list[Prompt], params: SamplingParams,
-                    structured_param: str, headers: Mapping[str, str] | None = None) -> Job:
-        """Compile the grammar (a bad one is a 400 naming `structured_param`), then queue every prompt or none.
+                    structured_param: str, headers: Mapping[str, str] | None = None, lora: Any = None) -> Job:
+        """Compile the grammar (a bad one is a 400 naming `structured_param`), then queue every prompt or none,
+        with the LoRA adapter `lora` (a LoRARequest) when the request named one.
 
         With tracing on, each prompt's span continues the trace of the `headers`' traceparent."""
         await state.compile_structured(params, structured_param)
-        job = cls(state, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
+        job = cls(state, f"{prefix}-{uuid.uuid4().hex}", prompts, params, lora=lora)
+        adapter = {"lora_request": lora} if lora is not None else {}
         try:
             for i, p in enumerate(prompts):
                 if state.tracer is not None:  # before generate: a cluster reports its routing while queueing
                     state.tracer.start(job._sub_id(i), headers, len(p.token_ids), params)
-                job.streams.append(state.engine.generate(job._sub_id(i), p.token_ids, params, p.text))
+                job.streams.append(state.engine.generate(job._sub_id(i), p.token_ids, params, p.text, **adapter))
         except BaseException as e:
             job.abort()
             raise engine_error(e) from None
@@ -143,6 +146,11 @@ class Job:
             raise engine_error(e) from None
         finally:
             self.abort()
+
+    @property
+    def model_name(self) -> str:
+        """The `model` responses name: the adapter's name, as vLLM answers, or the served model's."""
+        return self.lora.lora_name if self.lora is not None else self.state.model_name
 
     def usage(self) -> dict[str, int]:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
@@ -257,7 +265,7 @@ class ChoiceDeltas:
 def sse_response(job: Job, obj: str, chunks: AsyncIterator[list[dict[str, Any]]],
                  include_usage: bool) -> StreamingResponse:
     """`chunks` (each the choices of one event) as SSE, then the usage (if asked), an error, `[DONE]`."""
-    head = {"id": job.request_id, "object": obj, "created": job.created, "model": job.state.model_name}
+    head = {"id": job.request_id, "object": obj, "created": job.created, "model": job.model_name}
     return StreamingResponse(_sse_events(job, head, chunks, include_usage), media_type="text/event-stream")
 
 
@@ -304,6 +312,7 @@ class ServerState:
     tool_parser: ToolParser | None = None  # reads tool_choice "auto" calls (--tool-call-parser)
     use_generation_config: bool = True  # unset sampling fields take the model's generation_config.json
     tracer: Any = None  # a RequestTracer with --otlp-traces-endpoint
+    loras: Any = None  # the LoRAModels registry with --enable-lora
     token_text: TokenText = field(init=False)
 
     pool: ThreadPoolExecutor = field(init=False)
@@ -355,10 +364,16 @@ class ServerState:
         except ValueError as e:
             raise bad_request(str(e), param=param) from None
 
-    def check_model(self, name: str | None) -> None:
-        if name not in (None, "", self.model_name):
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> Any:
+        """The LoRARequest of the adapter `name` names, None for the served model; 404 for any other name."""
+        if name in (None, "", self.model_name):
+            return None
+        lora = self.loras.resolve(name) if self.loras is not None else None
+        if lora is None:
+            served = [self.model_name, *(self.loras.adapters if self.loras is not None else ())]
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{', '.join(repr(s) for s in served)}", param="model", code="model_not_found")
+        return lora
 
 
 def longest_token_chars(tokenizer: Any) -> int:

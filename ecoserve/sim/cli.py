@@ -13,14 +13,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from ecoserve.sim.moe import PLACEMENTS
     from ecoserve.cluster.router import ROUTER_MODES
     from ecoserve.sim.experiments import EXPERIMENTS
+    from ecoserve.sim.lora_experiment import ADAPTER_COUNTS
     from ecoserve.sim.hardware import GPUS, LINKS
     from ecoserve.sim.models import MODELS
     from ecoserve.sim.cluster import STRATEGIES
     from ecoserve.sim.workload import ARRIVALS, DATASETS
 
     p = subparsers.add_parser("simulate", help="simulate a GPU cluster serving with the live scheduling code")
-    p.add_argument("experiment", nargs="?", default="run", choices=["run", *EXPERIMENTS.names()],
-                   help="a named experiment, or 'run' for one simulation")
+    p.add_argument("experiment", nargs="?", default="run", choices=["run", "lora", *EXPERIMENTS.names()],
+                   help="a named experiment, 'lora' (the most LoRA adapters served within the SLOs at --rate), or "
+                        "'run' for one simulation")
     p.add_argument("--out", default="results/sim", help="folder for JSON and PNG (default: %(default)s)")
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--strategy", default="ecoserve", choices=STRATEGIES.names())
@@ -66,6 +68,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--spec-draft-cost", type=float, default=0.0,
                    help="run: one draft pass as a fraction of the target's decode step (0: n-gram lookup; about "
                         "0.3 for a Q4 self-draft); default %(default)s")
+    p.add_argument("--num-adapters", type=int, default=None,
+                   help="run: requests spread over this many LoRA adapters (default: no LoRA); lora: the largest "
+                        f"count tried (default: {ADAPTER_COUNTS[-1]}, on the grid {','.join(map(str, ADAPTER_COUNTS))})")
+    p.add_argument("--lora-rank", type=int, default=8, help="the adapters' rank (default: %(default)s)")
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="adapters an instance holds on the device at once (default: %(default)s)")
+    p.add_argument("--lora-zipf", type=float, default=0.0,
+                   help="adapter popularity: 0 uniform, > 0 Zipf with this exponent (default: %(default)s)")
+    p.add_argument("--no-layerwise-lora-loading", action="store_true",
+                   help="copy an adapter in before the step that needs it instead of layer by layer beside it")
+    p.add_argument("--lora-target", type=float, default=0.9,
+                   help="lora: the SLO attainment a count of adapters must reach (default: %(default)s)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="run: write a PNG of the cluster timeline (phase per instance, prefill windows, "
                         "routed requests) at PATH")
@@ -100,6 +114,8 @@ def main(args: argparse.Namespace) -> int:
     from ecoserve.sim.workload import DATASETS, load_trace, synthetic
 
     out = Path(args.out)
+    if args.experiment == "lora":
+        return _lora_capacity(args, out)
     if args.experiment != "run":
         import ecoserve.sim.experiments as experiments
         if args.duration:
@@ -127,6 +143,10 @@ def main(args: argparse.Namespace) -> int:
                        **({"profile_tokens": _token_counts(args.profile_tokens)} if args.profile_tokens else {}))
     wl = load_trace(args.trace) if args.trace else synthetic(args.dataset, args.rate, args.num_requests or 1000,
                                                              seed=args.seed, arrival=args.arrival, cv=args.cv)
+    if args.num_adapters:
+        from ecoserve.sim.lora import assign_adapters
+        spec.lora = _lora_config(args, args.num_adapters)
+        wl = assign_adapters(wl, spec.lora, args.seed)
     router = {"output_hold": args.output_hold == "on"} if args.output_hold is not None else {}
     sim = build(args.strategy, spec, ttft, tpot, router_mode=args.router_mode, router=router)
     res = sim.run(wl, progress=True)
@@ -143,6 +163,31 @@ def main(args: argparse.Namespace) -> int:
         from ecoserve.sim.timeline_plot import plot_timeline
         plot_timeline(sim.timeline.snapshot(res.sim_time), args.plot, title=f"{args.strategy}: simulated cluster")
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _lora_config(args: argparse.Namespace, num_adapters: int):
+    from ecoserve.sim.lora import LoRASimConfig
+    return LoRASimConfig(num_adapters, args.lora_rank, args.max_loras, zipf_alpha=args.lora_zipf,
+                         layerwise_loading=not args.no_layerwise_lora_loading)
+
+
+def _lora_capacity(args: argparse.Namespace, out: Path) -> int:
+    """`simulate lora`: attainment by number of adapters, per strategy, and the most adapters within target."""
+    from ecoserve.sim.lora_experiment import ADAPTER_COUNTS, adapter_capacity, capacity_table
+
+    _lora_config(args, 1)  # refuses bad values before the runs
+    top = args.num_adapters or ADAPTER_COUNTS[-1]
+    counts = tuple(n for n in ADAPTER_COUNTS if n < top) + (top,)
+    from ecoserve.sim.cluster import ClusterSpec
+    from ecoserve.sim.hardware import GPUS
+    spec = ClusterSpec(model=args.model, gpu=GPUS.get(args.gpu).name, tp=args.tp, num_instances=args.num_instances,
+                       network=args.network, profile=args.profile)
+    data = adapter_capacity(out, spec, args.dataset, args.rate, args.num_requests or 400,
+                            tuple((args.strategies or "ecoserve,vllm").split(",")), args.lora_rank, args.max_loras,
+                            counts, args.lora_target, args.lora_zipf, not args.no_layerwise_lora_loading, args.seed)
+    print(capacity_table(data))
+    print(f"wrote {out}/lora.json")
     return 0
 
 

@@ -21,6 +21,7 @@ from ecoserve.sim.engine import EventLoop
 from ecoserve.sim.events import Event, LinkCompletion, RequestArrival, StepEnd, Timer
 from ecoserve.sim.hardware import gpu as get_gpu, link as get_link
 from ecoserve.sim.instance import SimInstance
+from ecoserve.sim.lora import AdapterCache, LoRASimConfig
 from ecoserve.sim.metrics import RequestRecord
 from ecoserve.sim.models import model as get_model
 from ecoserve.sim.network import LinkQueue
@@ -48,6 +49,7 @@ class ClusterSpec:
     profile_tokens: tuple[int, ...] = PROFILE_TOKENS  # lengths the router's start-up profile is timed at
     perf_knobs: dict = field(default_factory=dict)
     speculation: SpeculationModel | None = None  # speculative decoding on every instance's decodes
+    lora: LoRASimConfig | None = None  # requests with a `lora_name` run through adapters (sim/lora.py)
 
     def perf(self):
         return make_perf(self.model, self.gpu, tp=self.tp, pp=self.pp, profile=self.profile, **self.perf_knobs)
@@ -88,8 +90,9 @@ class ClusterSim:
             cfg = SchedulerConfig(policy=setup.policy, max_num_seqs=spec.max_num_seqs,
                                   max_num_batched_tokens=setup.max_num_batched_tokens or spec.max_num_batched_tokens)
             executor = SpeculatingExecutor(self.perf, spec.speculation) if spec.speculation else None
+            adapters = AdapterCache(self.model, spec.lora) if spec.lora is not None else None
             self.instances.append(SimInstance(iid, self.perf, self.clock, cfg, self.num_blocks, spec.block_size,
-                                              executor=executor))
+                                              executor=executor, adapters=adapters))
         self.timeline = TimelineRecorder([i.instance_id for i in self.instances])  # what `--plot` draws
         for inst in self.instances:
             self.timeline.phase(0.0, inst.instance_id, "idle")
@@ -120,7 +123,7 @@ class ClusterSim:
                 inst = self.instances[a.instance_id]
                 req = self.requests[a.request_id]
                 inst.add(a.request_id, req.input_len + 1 if a.imported_tokens else req.input_len, a.max_tokens,
-                         a.imported_tokens)
+                         a.imported_tokens, req.lora_name)
                 self.timeline.routed(self.clock.now(), a.instance_id)
                 events.extend(self.kick(inst))
             elif t is TransferKV:
@@ -160,7 +163,7 @@ class ClusterSim:
         self.requests[req.request_id] = req
         self.remaining[req.request_id] = req.output_len
         return self.apply(self.controller.handle(
-            RequestArrived(req.request_id, req.input_len, req.output_len, req.arrival_time)))
+            RequestArrived(req.request_id, req.input_len, req.output_len, req.arrival_time, req.lora_name)))
 
     def on_step_end(self, inst: SimInstance) -> list[Event]:
         first, finished = inst.finish_step()
@@ -282,6 +285,10 @@ class ClusterSim:
             out["spec_decode"] = {"num_drafts": drafts, "num_draft_tokens": sum(e.num_draft_tokens for e in execs),
                                   "num_accepted_tokens": accepted,
                                   "acceptance_length": 1 + accepted / drafts if drafts else 1.0}
+        caches = [i.executor.adapters for i in self.instances if i.executor.adapters is not None]
+        if caches:
+            out["lora_loads"] = sum(c.loads for c in caches)
+            out["lora_evictions"] = sum(c.evictions for c in caches)
         return out
 
 

@@ -8,19 +8,23 @@ from ecoserve.request import Request
 from ecoserve.sampling import SamplingParams
 from ecoserve.sched.interface import SchedulerOutput, StepResult, is_prefill
 from ecoserve.sched.scheduler import Scheduler
+from ecoserve.sim.lora import AdapterCache
 from ecoserve.sim.perf import StepWork
 
 
 class SimulatedExecutor:
     """Returns a token per sampling chunk and the performance model's predicted step time.
 
-    Tokens whose KV arrived from elsewhere (FuDG imports) cost nothing to "compute".
+    Tokens whose KV arrived from elsewhere (FuDG imports) cost nothing to "compute". With `adapters`,
+    requests with a `lora_request` run through their LoRA adapter: rank x tokens of compute, and a load for
+    an adapter the instance lacks.
     """
 
-    def __init__(self, perf, token_id: int = 0) -> None:
+    def __init__(self, perf, token_id: int = 0, adapters: AdapterCache | None = None) -> None:
         self.perf = perf
         self.token_id = token_id
         self.imported: dict[str, int] = {}  # request id -> tokens whose KV was transferred in
+        self.adapters = adapters
 
     def execute(self, batch: SchedulerOutput) -> StepResult:
         tokens = seqs = sampled_n = kv = prompt_tokens = 0
@@ -49,8 +53,20 @@ class SimulatedExecutor:
                 prompt_tokens += q
                 pairs += q * start + q * (q + 1) / 2
             kv += start + q
+        if self.adapters is not None:
+            return StepResult(sampled=sampled, duration=self._lora_step(batch, tokens, seqs, sampled_n, pairs, kv,
+                                                                        prompt_tokens))
         dur = self.perf.work_time(StepWork(tokens, seqs, sampled_n, pairs, kv, prompt_tokens)) if tokens else 0.0
         return StepResult(sampled=sampled, duration=dur)
+
+    def _lora_step(self, batch: SchedulerOutput, *work) -> float:
+        adapters = self.adapters
+        lora_chunks = [c for c in batch.chunks if c.request.lora_request is not None]
+        used = {c.request.lora_request.lora_name for c in lora_chunks}
+        rank_tokens = adapters.config.rank * sum(c.num_tokens for c in lora_chunks)
+        compute = self.perf.work_time(StepWork(*work, rank_tokens, len(used) * adapters.adapter_bytes)) \
+            if work[0] else 0.0
+        return adapters.step_time(compute, adapters.load_time(used))
 
 
 class SimInstance:
@@ -58,13 +74,14 @@ class SimInstance:
 
     def __init__(self, instance_id: int, perf, clock: VirtualClock, sched_config: SchedulerConfig,
                  num_blocks: int, block_size: int = 16, max_model_len: int | None = None,
-                 executor: SimulatedExecutor | None = None) -> None:
+                 executor: SimulatedExecutor | None = None, adapters: AdapterCache | None = None) -> None:
         self.instance_id = instance_id
         self.clock = clock
-        self.executor = executor or SimulatedExecutor(perf)
+        self.executor = executor or SimulatedExecutor(perf, adapters=adapters)
         self.sched = Scheduler(sched_config, CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
                                                          enable_prefix_caching=False),
-                               num_blocks, clock, max_model_len=max_model_len)
+                               num_blocks, clock, max_model_len=max_model_len,
+                               max_loras=adapters.config.max_loras if adapters is not None else None)
         # speculative decoding (sim/speculation.py): the executor proposes before each schedule
         self.speculating = self.sched.speculative = hasattr(self.executor, "propose")
         self.busy = False
@@ -77,9 +94,12 @@ class SimInstance:
         self.num_steps = 0
 
     # ---- requests -------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_len: int, max_tokens: int, imported_tokens: int = 0) -> Request:
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, imported_tokens: int = 0,
+            lora_name: str | None = None) -> Request:
+        adapters = self.executor.adapters
+        lora = adapters.request_of(lora_name) if lora_name is not None and adapters is not None else None
         req = Request(request_id, [0] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                      arrival_time=self.clock.now())
+                      arrival_time=self.clock.now(), lora_request=lora)
         if imported_tokens:
             self.executor.imported[request_id] = imported_tokens
         self.sched.add_request(req)
@@ -136,5 +156,7 @@ class SimInstance:
 
     def status(self) -> InstanceStatus:
         if self._status is None:
-            self._status = instance_status(self.instance_id, self.sched)
+            adapters = self.executor.adapters
+            self._status = instance_status(self.instance_id, self.sched,
+                                           tuple(adapters.resident) if adapters is not None else ())
         return self._status

@@ -29,6 +29,7 @@ from typing import NamedTuple, Protocol
 
 from ecoserve.cluster.profile import StepTimeTable
 from ecoserve.sim.hardware import GPU, Link, cpu as get_cpu, gpu as get_gpu, link as get_link
+from ecoserve.sim.lora import lora_params_per_rank
 from ecoserve.sim.models import ModelSpec, model as get_model
 from ecoserve.sim.moe import MoEPerf
 from ecoserve.sim.network import allreduce_time
@@ -43,6 +44,8 @@ class StepWork(NamedTuple):
     attn_pairs: float  # sum over requests of causal (query, key) pairs
     kv_read_tokens: int  # context tokens whose KV is read
     num_prompt_tokens: int = 0  # of num_tokens, those of prompt chunks (the rest are decodes)
+    lora_rank_tokens: int = 0  # sum over tokens of their LoRA adapter's rank (0: no adapters)
+    lora_weight_bytes: float = 0.0  # the weights of the distinct adapters the step runs
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class RooflinePerf(_Base):
         self._per_gpu_weights = self.model.weight_bytes / n
         self._linear_flops_per_token = self.model.linear_flops_per_token  # properties: read once, not per step
         self._lm_head_flops = self.model.lm_head_flops
+        self._lora_flops_per_rank_token = 2.0 * lora_params_per_rank(self.model)
         self._moe = self._moe_perf() if self.model.is_moe else None
         if self._moe is not None:  # the experts' share comes per step, by the experts the batch touches
             m = self.model
@@ -158,8 +162,11 @@ class RooflinePerf(_Base):
         m = self.model
         flops = (self._linear_flops_per_token * self.tiled_tokens(w.num_tokens) + self._lm_head_flops * w.num_sampled
                  + self._attn_flops_per_pair * w.attn_pairs)
-        t_compute = flops / self._flops
         t_memory = self._weight_s + (w.kv_read_tokens + w.num_tokens) * self._kv_bytes / self._bw
+        if w.lora_rank_tokens:  # x A_i B_i of each token through its adapter, and the adapters' weights
+            flops += self._lora_flops_per_rank_token * w.lora_rank_tokens
+            t_memory += w.lora_weight_bytes / self._bw
+        t_compute = flops / self._flops
         moe = self._moe
         if moe is not None:
             t_compute += moe.expert_flops(w.num_tokens) / self._flops

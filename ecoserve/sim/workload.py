@@ -33,6 +33,7 @@ class SimRequest:
     arrival_time: float
     input_len: int
     output_len: int
+    lora_name: str | None = None  # the LoRA adapter it runs with (sim/lora.py); None: the base model
 
 
 @dataclass(frozen=True)
