@@ -378,11 +378,12 @@ class ClusterEngine:
                 and h.instance_id not in self._unreachable:
             # after a short grace, so that a process that is exiting is seen to exit (with its code) first
             self._unreachable.add(h.instance_id)
-            self.call_later(UNREACHABLE_GRACE_S, self._lose_unreachable, h, f"its connection is gone ({e})")
+            self.call_later(UNREACHABLE_GRACE_S, self._lose_unreachable, h, h.restarts,
+                            f"its connection is gone ({e})")
 
-    def _lose_unreachable(self, h: InstanceHandle, reason: str) -> None:
+    def _lose_unreachable(self, h: InstanceHandle, restarts: int, reason: str) -> None:
         self._unreachable.discard(h.instance_id)
-        if h.state != "lost":
+        if h.state != "lost" and h.restarts == restarts:  # not the process restarted in its slot since
             self.health.lose(h, reason)
 
     def drain(self) -> int:

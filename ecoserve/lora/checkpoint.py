@@ -54,6 +54,10 @@ class LoRATargets:
     num_layers: int
     modules: dict[str, ModuleShape]
 
+    def projections(self) -> list[str]:
+        """The HF projections an adapter may target on this model."""
+        return [p for p, (fused, _) in PROJECTION_TO_FUSED.items() if fused in self.modules]
+
     def projection_shape(self, projection: str) -> tuple[int, int]:
         """(in, out) of one HF projection."""
         fused, i = PROJECTION_TO_FUSED[projection]
@@ -76,7 +80,7 @@ class AdapterCheckpoint:
         self.rank = self._check_rank(config, max_lora_rank)
         alpha = config.get("lora_alpha", self.rank)
         self.scale = alpha / math.sqrt(self.rank) if config.get("use_rslora") else alpha / self.rank
-        self._check_features(config)
+        self._check_features(config, targets)
         self._check_base(base_model_name, targets)
         self.targets = targets
         self._tensors = self._index_tensors(targets)
@@ -115,7 +119,7 @@ class AdapterCheckpoint:
                              f"--max-lora-rank {rank} or more to serve it")
         return rank
 
-    def _check_features(self, config: dict) -> None:
+    def _check_features(self, config: dict, targets: LoRATargets) -> None:
         unsupported = []
         if config.get("use_dora"):
             unsupported.append("DoRA (use_dora)")
@@ -131,10 +135,11 @@ class AdapterCheckpoint:
             raise self._fail(f"uses {', '.join(unsupported)}, which this engine does not serve")
         wanted = config.get("target_modules")
         if isinstance(wanted, list):
-            lacking = sorted(set(wanted) - set(PROJECTION_TO_FUSED))
+            adapted = targets.projections()
+            lacking = sorted(set(wanted) - set(adapted))
             if lacking:
                 raise self._fail(f"targets modules this model lacks or does not adapt: {lacking} (LoRA applies to "
-                                 f"{', '.join(PROJECTION_TO_FUSED)})")
+                                 f"{', '.join(adapted)})")
 
     def _check_base(self, base_model_name: str | None, targets: LoRATargets) -> None:
         if base_model_name is None:
@@ -159,9 +164,9 @@ class AdapterCheckpoint:
                 raise self._fail(f"tensor {name!r} is not a LoRA A/B weight of a decoder layer's projection "
                                  f"(this model adapts {', '.join(PROJECTION_TO_FUSED)})")
             layer, proj, kind = int(m.group(1)), m.group(2), m.group(3)
-            if proj not in PROJECTION_TO_FUSED:
+            if proj not in PROJECTION_TO_FUSED or PROJECTION_TO_FUSED[proj][0] not in targets.modules:
                 raise self._fail(f"targets module {proj!r}, which this model lacks or does not adapt (LoRA applies "
-                                 f"to {', '.join(PROJECTION_TO_FUSED)})")
+                                 f"to {', '.join(targets.projections())})")
             if layer >= targets.num_layers:
                 raise self._fail(f"has layer {layer}, the base model only {targets.num_layers} layers: it was "
                                  f"trained for another base model")

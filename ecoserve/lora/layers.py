@@ -190,29 +190,34 @@ class LoRALinear(nn.Module):
 
 
 def model_targets(model: nn.Module, model_name: str) -> LoRATargets:
-    """The wrappable modules of a built Llama-family model and their shapes (from layer 0; all are alike)."""
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    """The wrappable modules of a built Llama-family model and their shapes (from layer 0; all are alike).
+
+    A mixture-of-experts model adapts only its attention projections: its MLPs are routed experts (and dense
+    MLPs only in some layers), which an adapter of the attention-projection kind does not reach."""
+    attn = model.layers[0].self_attn
     hidden = model.spec.hidden_size
     modules = {
         "qkv_proj": ModuleShape(hidden, (attn.q_size, attn.kv_size, attn.kv_size)),
         "o_proj": ModuleShape(attn.q_size, (hidden,)),
-        "gate_up_proj": ModuleShape(hidden, (mlp.intermediate, mlp.intermediate)),
-        "down_proj": ModuleShape(mlp.intermediate, (hidden,)),
     }
+    if all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+        inter = model.layers[0].mlp.intermediate
+        modules["gate_up_proj"] = ModuleShape(hidden, (inter, inter))
+        modules["down_proj"] = ModuleShape(inter, (hidden,))
     return LoRATargets(model_name, len(model.layers), modules)
 
 
 def wrap_model(model: nn.Module, targets: LoRATargets, num_slots: int, max_rank: int,
                step: LoRAStep) -> list[dict[str, LoRALinear]]:
-    """Replace each layer's qkv_proj, o_proj, gate_up_proj and down_proj by a `LoRALinear` around it; returns the
-    wrappers per layer."""
+    """Replace each layer's target modules (qkv_proj, o_proj and, in a dense model, gate_up_proj and down_proj)
+    by a `LoRALinear` around it; returns the wrappers per layer."""
     wrapped = []
     dtype, device = model.dtype, model.device
     for i, layer in enumerate(model.layers):
         owners = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn,
                   "gate_up_proj": layer.mlp, "down_proj": layer.mlp}
         per_layer = {}
-        for name in FUSED_SLICES:
+        for name in targets.modules:
             owner = owners[name]
             module = LoRALinear(getattr(owner, name), i, targets.modules[name], num_slots, max_rank, dtype, device,
                                 step)

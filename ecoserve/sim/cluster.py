@@ -89,8 +89,9 @@ class ClusterSim:
             setup = self.controller.setups[iid]
             cfg = SchedulerConfig(policy=setup.policy, max_num_seqs=spec.max_num_seqs,
                                   max_num_batched_tokens=setup.max_num_batched_tokens or spec.max_num_batched_tokens)
-            executor = SpeculatingExecutor(self.perf, spec.speculation) if spec.speculation else None
             adapters = AdapterCache(self.model, spec.lora) if spec.lora is not None else None
+            executor = SpeculatingExecutor(self.perf, spec.speculation, adapters=adapters) if spec.speculation \
+                else None
             self.instances.append(SimInstance(iid, self.perf, self.clock, cfg, self.num_blocks, spec.block_size,
                                               executor=executor, adapters=adapters))
         self.timeline = TimelineRecorder([i.instance_id for i in self.instances])  # what `--plot` draws

@@ -30,11 +30,12 @@ class SimulatedExecutor:
         tokens = seqs = sampled_n = kv = prompt_tokens = 0
         pairs = 0.0
         sampled = {}
+        verifying = []  # decode chunks that carry proposals (speculative decoding)
         imported = self.imported
         token_id = self.token_id
         for c in batch.chunks:
             rid = c.request.request_id
-            start, q = c.start, c.num_tokens
+            start, q, spec = c.start, c.num_tokens, c.num_spec_tokens
             if imported and rid in imported:
                 free_upto = imported[rid]
                 if start < free_upto:
@@ -42,30 +43,36 @@ class SimulatedExecutor:
                     start = min(free_upto, start + c.num_tokens)
             if c.samples:
                 sampled[rid] = token_id
-                sampled_n += 1
+                sampled_n += 1 + spec
+            if spec:
+                verifying.append(c)
             if q <= 0:
                 continue
             tokens += q
             seqs += 1
-            if not is_prefill(q, c.samples):  # a decode: one query over its context
-                pairs += start + 1
-            else:
+            if is_prefill(q - spec, c.samples):
                 prompt_tokens += q
-                pairs += q * start + q * (q + 1) / 2
+            pairs += q * start + q * (q + 1) / 2  # causal (query, key) pairs; a decode's is start + 1
             kv += start + q
-        if self.adapters is not None:
-            return StepResult(sampled=sampled, duration=self._lora_step(batch, tokens, seqs, sampled_n, pairs, kv,
-                                                                        prompt_tokens))
-        dur = self.perf.work_time(StepWork(tokens, seqs, sampled_n, pairs, kv, prompt_tokens)) if tokens else 0.0
-        return StepResult(sampled=sampled, duration=dur)
+        result = StepResult(sampled=sampled)
+        if tokens:
+            work = StepWork(tokens, seqs, sampled_n, pairs, kv, prompt_tokens)
+            result.duration = self._lora_step(batch, work) if self.adapters is not None else self.perf.work_time(work)
+        if verifying:
+            self.verify(verifying, result)
+        return result
 
-    def _lora_step(self, batch: SchedulerOutput, *work) -> float:
+    def verify(self, chunks: list, result: StepResult) -> None:
+        """Speculative decoding's acceptance and draft cost (sim/speculation.py); a plain instance has none."""
+        raise RuntimeError("a decode carried proposals, but this simulated instance does not speculate")
+
+    def _lora_step(self, batch: SchedulerOutput, work: StepWork) -> float:
         adapters = self.adapters
         lora_chunks = [c for c in batch.chunks if c.request.lora_request is not None]
         used = {c.request.lora_request.lora_name for c in lora_chunks}
         rank_tokens = adapters.config.rank * sum(c.num_tokens for c in lora_chunks)
-        compute = self.perf.work_time(StepWork(*work, rank_tokens, len(used) * adapters.adapter_bytes)) \
-            if work[0] else 0.0
+        compute = self.perf.work_time(work._replace(lora_rank_tokens=rank_tokens,
+                                                    lora_weight_bytes=len(used) * adapters.adapter_bytes))
         return adapters.step_time(compute, adapters.load_time(used))
 
 

@@ -12,8 +12,9 @@ import random
 from dataclasses import dataclass
 
 from ecoserve.engine.spec_decode.tuner import plan
-from ecoserve.sched.interface import SchedulerOutput, StepResult, is_prefill
+from ecoserve.sched.interface import StepResult
 from ecoserve.sim.instance import SimulatedExecutor
+from ecoserve.sim.lora import AdapterCache
 from ecoserve.sim.perf import StepWork
 
 AUTO = "auto"
@@ -44,8 +45,8 @@ class SpeculationModel:
 class SpeculatingExecutor(SimulatedExecutor):
     """A `SimulatedExecutor` whose decodes verify proposals (`propose` before each `Scheduler.schedule`)."""
 
-    def __init__(self, perf, model: SpeculationModel, token_id: int = 0) -> None:
-        super().__init__(perf, token_id)
+    def __init__(self, perf, model: SpeculationModel, token_id: int = 0, adapters: AdapterCache | None = None) -> None:
+        super().__init__(perf, token_id, adapters)
         self.model = model
         self._rng = random.Random(model.seed)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -76,45 +77,26 @@ class SpeculatingExecutor(SimulatedExecutor):
         cost = self.model.draft_cost
         return lambda n: cost * self.perf.work_time(StepWork(n, n, n, n * (context + 1), n * (context + 1)))
 
-    def execute(self, batch: SchedulerOutput) -> StepResult:
-        tokens = seqs = sampled_n = kv = prompt_tokens = 0
-        pairs = 0.0
-        sampled, spec_tokens = {}, {}
+    def verify(self, chunks: list, result: StepResult) -> None:
+        """Accept each chunk's proposals at random (the model's rate) and add the draft passes' time."""
+        token_id, alpha, rng = self.token_id, self.model.acceptance_rate, self._rng
         passes: list[int] = []  # passes[j - 1]: requests drafting at least j tokens
-        imported, token_id, alpha, rng = self.imported, self.token_id, self.model.acceptance_rate, self._rng
-        for c in batch.chunks:
-            rid, spec = c.request.request_id, c.num_spec_tokens
-            start, q = c.start, c.num_tokens
-            if imported and rid in imported:
-                free_upto = imported[rid]
-                if start < free_upto:
-                    q -= min(free_upto, start + q) - start
-                    start = min(free_upto, start + c.num_tokens)
-            if c.samples:
-                sampled[rid] = token_id
-                sampled_n += 1 + spec
-            if spec:
-                accepted = 0
-                while accepted < spec and rng.random() < alpha:
-                    accepted += 1
-                spec_tokens[rid] = [token_id] * (accepted + 1)
-                self.num_drafts += 1
-                self.num_draft_tokens += spec
-                self.num_accepted_tokens += accepted
-                passes.extend([0] * (spec - len(passes)))
-                for j in range(spec):
-                    passes[j] += 1
-            if q <= 0:
-                continue
-            tokens += q
-            seqs += 1
-            if is_prefill(q - spec, c.samples):
-                prompt_tokens += q
-            kv += start + q
-            pairs += q * start + q * (q + 1) / 2
-        work = self.perf.work_time
-        dur = work(StepWork(tokens, seqs, sampled_n, pairs, kv, prompt_tokens)) if tokens else 0.0
-        if passes and self.model.draft_cost:
-            context = kv / max(seqs, 1)
-            dur += self.model.draft_cost * sum(work(StepWork(n, n, n, n * context, n * context)) for n in passes)
-        return StepResult(sampled=sampled, duration=dur, spec_tokens=spec_tokens)
+        context = 0
+        for c in chunks:
+            spec = c.num_spec_tokens
+            accepted = 0
+            while accepted < spec and rng.random() < alpha:
+                accepted += 1
+            result.spec_tokens[c.request.request_id] = [token_id] * (accepted + 1)
+            self.num_drafts += 1
+            self.num_draft_tokens += spec
+            self.num_accepted_tokens += accepted
+            passes.extend([0] * (spec - len(passes)))
+            for j in range(spec):
+                passes[j] += 1
+            context += c.start + 1
+        if self.model.draft_cost:
+            context /= len(chunks)
+            work = self.perf.work_time
+            result.duration += self.model.draft_cost * sum(work(StepWork(n, n, n, n * context, n * context))
+                                                           for n in passes)
