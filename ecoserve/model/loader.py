@@ -299,7 +299,8 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
     if cpu_linear == "onednn" and not onednn_available():
         raise ValueError("--cpu-linear onednn: this torch build has no oneDNN (mkldnn) backend")
     if cpu_linear == "onednn" or (cpu_linear == "auto" and onednn_available()):
-        pack_linears(info.model)  # float32 layers on CPU, and bfloat16 ones where oneDNN has bf16
+        # float32 layers on CPU, and bfloat16 ones where oneDNN has bf16; float32 MoE experts when asked by name
+        pack_linears(info.model, float32_experts=cpu_linear == "onednn")
     logger.info("model weights: %.1f MiB in memory (%s)", weight_bytes(info.model) / 2**20,
                 describe_weights(info.model))
     return info
