@@ -80,8 +80,8 @@ def main() -> None:
             weights = weights.to(dtype)
             with torch.no_grad():
                 grouped_ms = median_ms(lambda: fused_experts(x, ids, weights, w_gate_up, w_down), args.repeats)
-                packed_ms = None if packed is None else median_ms(
-                    lambda: fused_experts(x, ids, weights, packed.gate_up, packed.down), args.repeats)
+                packed_ms = None if packed is None else median_ms(lambda: fused_experts(
+                    x, ids, weights, packed.gate_up, packed.down, linear=packed.linear), args.repeats)
                 loop_ms = median_ms(lambda: loop(x, ids, weights), args.repeats)
             active = int(ids.unique().numel())
             mb = active * 3 * args.hidden * args.intermediate * w_down.element_size() / 1e6

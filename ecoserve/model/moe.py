@@ -17,16 +17,18 @@ give each rank a partial sum over the experts, and one all-reduce per layer comp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ecoserve.model.fused import native_for
-from ecoserve.model.packed import PackedExperts, packed_linear
 from ecoserve.model.parallel import Checkpointed, TPComm, checkpoint_shape, take
 from ecoserve.model.spec import ModelLoadError, MoESpec
+
+if TYPE_CHECKING:
+    from ecoserve.model.packed import PackedExperts
 
 
 @dataclass(frozen=True)
@@ -74,16 +76,17 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                   w_gate_up: torch.Tensor | Sequence[torch.Tensor], w_down: torch.Tensor | Sequence[torch.Tensor],
-                  first_expert: int = 0) -> torch.Tensor:
+                  first_expert: int = 0,
+                  linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype.
 
     `w_gate_up` [E_local, 2I, H], `w_down` [E_local, H, I] hold experts [first_expert, first_expert + E_local),
-    stacked plain tensors or per-expert oneDNN-packed weights (`PackedExperts.gate_up` / `.down`);
+    stacked plain tensors for `F.linear`, or per-expert oneDNN-packed weights with their `linear`
+    (model/packed.py's `PackedExperts.gate_up`, `.down`, `.linear`);
     pairs routed to other experts contribute nothing here (another rank adds them). Each row is
     scaled in the weights' dtype and rounded to x's dtype before the sum, as transformers does.
     """
     top_k, num_local = expert_ids.shape[1], len(w_gate_up)
-    linear = F.linear if isinstance(w_gate_up, torch.Tensor) else packed_linear
     out = torch.zeros_like(x)
     local = expert_ids.flatten() - first_expert
     key = torch.where((local >= 0) & (local < num_local), local, num_local)  # another rank's: sorted last
@@ -160,13 +163,14 @@ class SparseMoeBlock(nn.Module):
             return self.expert_pool(x, expert_ids, weights)
         if self.packed_experts is not None:
             packed = self.packed_experts
-            return fused_experts(x, expert_ids, weights, packed.gate_up, packed.down, self.shard.first_expert)
+            return fused_experts(x, expert_ids, weights, packed.gate_up, packed.down, self.shard.first_expert,
+                                 packed.linear)
         return fused_experts(x, expert_ids, weights, self.w_gate_up, self.w_down, self.shard.first_expert)
 
-    def pack_experts(self) -> None:
-        """Hold the experts as per-expert oneDNN-packed weights; the stacked parameters keep their dtype and
-        trailing shape but no experts ([0, 2I, H], [0, H, I]) so the weights are not held twice."""
-        self.packed_experts = PackedExperts(self.w_gate_up.data, self.w_down.data)
+    def pack_experts(self, packed: PackedExperts) -> None:
+        """Compute with `packed` (this block's experts, oneDNN-packed by model/packed.py); the stacked
+        parameters keep their dtype and trailing shape but no experts, so the weights are not held twice."""
+        self.packed_experts = packed
         self.w_gate_up.data = self.w_gate_up.data[:0].clone()
         self.w_down.data = self.w_down.data[:0].clone()
 

@@ -51,20 +51,17 @@ class PackedExperts(nn.Module):
     """The routed experts of one MoE block, each expert's gate/up [2I, H] and down [H, I] weight packed on its own
     (`fused_experts` runs one GEMM per active expert over its tokens, so each is a small oneDNN linear)."""
 
+    linear = staticmethod(packed_linear)
+
     def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         super().__init__()
         self.num_experts = w_gate_up.shape[0]
         for e in range(self.num_experts):
             self.register_buffer(f"gate_up_{e}", pack_weight(w_gate_up[e]))
             self.register_buffer(f"down_{e}", pack_weight(w_down[e]))
-
-    @property
-    def gate_up(self) -> list[torch.Tensor]:
-        return [getattr(self, f"gate_up_{e}") for e in range(self.num_experts)]
-
-    @property
-    def down(self) -> list[torch.Tensor]:
-        return [getattr(self, f"down_{e}") for e in range(self.num_experts)]
+        # the same tensors as lists, indexed by local expert (opaque oneDNN tensors never move off the CPU)
+        self.gate_up = [getattr(self, f"gate_up_{e}") for e in range(self.num_experts)]
+        self.down = [getattr(self, f"down_{e}") for e in range(self.num_experts)]
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked plain weights (w_gate_up [E, 2I, H], w_down [E, H, I]) back, bit for bit."""
@@ -87,22 +84,29 @@ def packable_dtypes() -> frozenset[torch.dtype]:
     return frozenset({torch.float32, torch.bfloat16} if onednn_bf16_supported() else {torch.float32})
 
 
-def pack_linears(model: nn.Module, float32_experts: bool = False) -> int:
+def pack_linears(model: nn.Module) -> int:
     """Replace every float32 CPU linear layer of `model` by a PackedLinear, and every bfloat16 one where
-    oneDNN supports bf16 here, and pack the routed experts of its MoE blocks in bfloat16 likewise (in
-    float32 too when `float32_experts`); returns how many layers (each MoE block's experts count once)."""
-    from ecoserve.model.moe import SparseMoeBlock
+    oneDNN supports bf16 here; returns how many. (MoE experts: `ecoserve.model.moe.pack_moe_experts`.)"""
     from ecoserve.model.quant import _is_linear, _replace
 
     dtypes = packable_dtypes()
-    expert_dtypes = dtypes if float32_experts else dtypes - {torch.float32}
     count = 0
     for name, module in list(model.named_modules()):
         if _is_linear(module) and module.weight.dtype in dtypes and module.weight.device.type == "cpu":
             _replace(model, name, PackedLinear(module.weight, getattr(module, "bias", None)))
             count += 1
-        elif isinstance(module, SparseMoeBlock) and module.w_gate_up.dtype in expert_dtypes \
-                and module.w_gate_up.device.type == "cpu" and module.w_gate_up.numel():
-            module.pack_experts()
-            count += 1
     return count
+
+
+def pack_moe_experts(model: nn.Module, float32: bool = False) -> int:
+    """Prepack the routed experts of every CPU MoE block of `model`: in bfloat16 where oneDNN has bf16 here,
+    in float32 too when `float32` (`--cpu-linear onednn`; see above for why not by default); returns how many
+    blocks."""
+    from ecoserve.model.moe import SparseMoeBlock
+
+    dtypes = packable_dtypes() if float32 else packable_dtypes() - {torch.float32}
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.w_gate_up.dtype in dtypes
+              and m.w_gate_up.device.type == "cpu" and m.w_gate_up.numel()]
+    for block in blocks:
+        block.pack_experts(PackedExperts(block.w_gate_up.data, block.w_down.data))
+    return len(blocks)

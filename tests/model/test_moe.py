@@ -76,11 +76,11 @@ def test_packed_experts_equal_the_plain_ones(dtype):
     packed = PackedExperts(w_gate_up, w_down)
     x, ids = torch.randn(9, 16).to(dtype), torch.tensor([[2, 1]] * 6 + [[3, 5], [5, 3], [0, 2]])
     weights = torch.softmax(torch.randn(9, 2), dim=-1)
-    got = fused_experts(x, ids, weights, packed.gate_up, packed.down)
+    got = fused_experts(x, ids, weights, packed.gate_up, packed.down, linear=packed.linear)
     want = fused_experts(x, ids, weights, w_gate_up, w_down)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 1e-2)
     halves = [fused_experts(x, ids, weights, packed.gate_up[r * 3:(r + 1) * 3], packed.down[r * 3:(r + 1) * 3],
-                            r * 3) for r in range(2)]
+                            r * 3, packed.linear) for r in range(2)]
     torch.testing.assert_close(halves[0] + halves[1], got, rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 2e-2)
     assert all(torch.equal(a, b) for a, b in zip(packed.unpacked(), (w_gate_up, w_down)))
 
