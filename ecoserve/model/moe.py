@@ -98,15 +98,16 @@ def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
         return out
     tokens = order // top_k
     rows = x.index_select(0, tokens)
+    scale = weights.flatten().index_select(0, order).unsqueeze(1)
     y = torch.empty_like(rows)
     start = 0
     for expert, count in enumerate(counts_list):
         if count:
             hidden = _silu_and_mul(linear(rows[start:start + count], w_gate_up[expert]))
-            y[start:start + count] = linear(hidden, w_down[expert])
+            # the routing-weight scale while the rows are in cache: computed in the promoted dtype, rounded
+            # once to x's dtype as it is written into place for the one scatter-add below
+            torch.mul(linear(hidden, w_down[expert]), scale[start:start + count], out=y[start:start + count])
             start += count
-    # the routing-weight scale in place (computed in the promoted dtype, rounded once to x's), then one scatter-add
-    y.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
     return out.index_add_(0, tokens, y)
 
 
