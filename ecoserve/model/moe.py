@@ -3,8 +3,8 @@
 `SparseMoeBlock` replaces `DecoderLayer.mlp` in the layers `ModelSpec.moe` marks sparse. A router
 picks `top_k` experts per token; `fused_experts` then sorts the (token, expert) pairs by expert,
 runs one gate/up GEMM and one down GEMM per expert that received tokens (over all of its tokens
-at once), scales the rows by their routing weights in place and adds them back into their tokens with
-one `index_add_`. Experts that no token picked cost nothing; no Python loop runs over tokens. On CPU
+at once), scales each expert's rows by their routing weights as its down GEMM's output is written, and
+adds them back into their tokens with one `index_add_`. Experts that no token picked cost nothing; no Python loop runs over tokens. On CPU
 (`--cpu-linear auto|onednn`) each expert's two matrices are prepacked for oneDNN like the dense linear
 layers (model/packed.py's `PackedExperts`): its AMX / AVX512-BF16 GEMM instead of torch's on plain slices.
 
@@ -135,7 +135,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(hidden, moe.num_experts, dtype)
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * inter, hidden, dtype=dtype))
         self.w_down = nn.Parameter(torch.empty(local, hidden, inter, dtype=dtype))
-        self.packed_experts: PackedExperts | None = None  # set by pack_experts (model/packed.py's pack_linears)
+        self.packed_experts: PackedExperts | None = None  # set by model/packed.py's pack_moe_experts
         self.shared_intermediate = 0
         if moe.shared_expert_intermediate_size:
             tp_size = tp.size if tp else 1
