@@ -2,10 +2,12 @@
 
 One MoE layer's routed experts (default: the benchmark's Qwen3-MoE, 64 experts of 256, hidden 768, top-8)
 over T tokens with random routing: `grouped` is `fused_experts` (sort the (token, expert) pairs by expert,
-one gate/up and one down GEMM per active expert, one index_add); `per-expert loop` is transformers'
+one gate/up and one down GEMM per active expert, one index_add) on plain stacked weights (torch's GEMM),
+`packed` the same over oneDNN-prepacked experts (model/packed.py's `PackedExperts`, what the engine
+runs in bfloat16 and under `--cpu-linear onednn`); `per-expert loop` is transformers'
 `Qwen3MoeExperts.forward` with the same weights (a one-hot mask per expert, torch.where, index_add per
-expert). Prints the median ms per call of each after a warm-up, the ratio, and the weight bytes the
-active experts stream per call; `--json` writes the rows. Run it on an idle machine, e.g.
+expert). Prints the median ms per call of each after a warm-up, the loop's time over the faster grouped
+path's, and the weight bytes the active experts stream per call; `--json` writes the rows. Run it on an idle machine, e.g.
 `taskset -c 0 python scripts/bench_moe_experts.py --threads 1`.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import torch
 
 from ecoserve.model.moe import fused_experts
+from ecoserve.model.packed import PackedExperts, onednn_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -63,25 +66,31 @@ def main() -> None:
     rows = []
     print(f"{args.experts} experts of {args.intermediate}, hidden {args.hidden}, top-{args.top_k}, "
           f"{torch.get_num_threads()} thread(s)")
-    print(f"{'dtype':<10}{'tokens':>7}{'active':>8}{'grouped ms':>12}{'loop ms':>10}{'loop/grouped':>14}{'MB read':>9}")
+    print(f"{'dtype':<10}{'tokens':>7}{'active':>8}{'grouped ms':>12}{'packed ms':>11}{'loop ms':>10}"
+          f"{'loop/best':>11}{'MB read':>9}")
     for name in args.dtypes:
         dtype = DTYPES[name]
         w_gate_up = (0.02 * torch.randn(args.experts, 2 * args.intermediate, args.hidden)).to(dtype)
         w_down = (0.02 * torch.randn(args.experts, args.hidden, args.intermediate)).to(dtype)
         loop = hf_experts(args.experts, args.hidden, args.intermediate, dtype, w_gate_up, w_down)
+        packed = PackedExperts(w_gate_up, w_down) if onednn_available() else None
         for tokens in args.tokens:
             x = torch.randn(tokens, args.hidden).to(dtype)
             weights, ids = torch.softmax(torch.randn(tokens, args.experts), -1).topk(args.top_k, dim=-1)
             weights = weights.to(dtype)
             with torch.no_grad():
                 grouped_ms = median_ms(lambda: fused_experts(x, ids, weights, w_gate_up, w_down), args.repeats)
+                packed_ms = None if packed is None else median_ms(lambda: fused_experts(
+                    x, ids, weights, packed.gate_up, packed.down, linear=packed.linear), args.repeats)
                 loop_ms = median_ms(lambda: loop(x, ids, weights), args.repeats)
             active = int(ids.unique().numel())
             mb = active * 3 * args.hidden * args.intermediate * w_down.element_size() / 1e6
             rows.append(dict(dtype=name, tokens=tokens, active_experts=active, grouped_ms=grouped_ms,
-                             loop_ms=loop_ms, weight_mb=mb))
-            print(f"{name:<10}{tokens:>7}{active:>8}{grouped_ms:>12.3f}{loop_ms:>10.3f}{loop_ms / grouped_ms:>13.2f}x"
-                  f"{mb:>9.1f}")
+                             packed_ms=packed_ms, loop_ms=loop_ms, weight_mb=mb))
+            best = min(grouped_ms, packed_ms or grouped_ms)
+            packed_col = "-" if packed_ms is None else f"{packed_ms:.3f}"
+            print(f"{name:<10}{tokens:>7}{active:>8}{grouped_ms:>12.3f}{packed_col:>11}{loop_ms:>10.3f}"
+                  f"{loop_ms / best:>10.2f}x{mb:>9.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)

@@ -66,6 +66,7 @@ class ExpertPool:
         self.on_cuda = self.device.type == "cuda"
         # host store: the blocks' stacked weights, in (pinned) host memory; the blocks keep them as parameters
         for block in blocks:
+            block.unpack_experts()  # the pool copies plain expert slices between its tiers
             for p in (block.w_gate_up, block.w_down):
                 p.data = p.data.to("cpu").pin_memory() if self.on_cuda else p.data
         self.expert_bytes = (first.w_gate_up[0].numel() + first.w_down[0].numel()) * first.w_gate_up.element_size()

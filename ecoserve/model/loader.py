@@ -294,12 +294,13 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
             from ecoserve.model.w8a8 import quantize_linears_w8a8
 
             quantize_linears_w8a8(info.model)
-    from ecoserve.model.packed import onednn_available, pack_linears
+    from ecoserve.model.packed import onednn_available, pack_linears, pack_moe_experts
 
     if cpu_linear == "onednn" and not onednn_available():
         raise ValueError("--cpu-linear onednn: this torch build has no oneDNN (mkldnn) backend")
     if cpu_linear == "onednn" or (cpu_linear == "auto" and onednn_available()):
         pack_linears(info.model)  # float32 layers on CPU, and bfloat16 ones where oneDNN has bf16
+        pack_moe_experts(info.model, float32=cpu_linear == "onednn")  # bf16 experts; float32 ones when named
     logger.info("model weights: %.1f MiB in memory (%s)", weight_bytes(info.model) / 2**20,
                 describe_weights(info.model))
     return info

@@ -3,8 +3,10 @@
 `SparseMoeBlock` replaces `DecoderLayer.mlp` in the layers `ModelSpec.moe` marks sparse. A router
 picks `top_k` experts per token; `fused_experts` then sorts the (token, expert) pairs by expert,
 runs one gate/up GEMM and one down GEMM per expert that received tokens (over all of its tokens
-at once), scales the rows by their routing weights and adds them back into their tokens with one
-`index_add_`. Experts that no token picked cost nothing; no Python loop runs over tokens.
+at once), scales each expert's rows by their routing weights as its down GEMM's output is written, and
+adds them back into their tokens with one `index_add_`. Experts that no token picked cost nothing; no Python loop runs over tokens. On CPU
+(`--cpu-linear auto|onednn`) each expert's two matrices are prepacked for oneDNN like the dense linear
+layers (model/packed.py's `PackedExperts`): its AMX / AVX512-BF16 GEMM instead of torch's on plain slices.
 
 Expert weights are stacked per layer: `w_gate_up` [E, 2I, H] (gate rows, then up rows) and
 `w_down` [E, H, I], the layout of transformers' fused experts. Under tensor parallelism each rank
@@ -15,6 +17,7 @@ give each rank a partial sum over the experts, and one all-reduce per layer comp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,9 @@ from torch import nn
 from ecoserve.model.fused import native_for
 from ecoserve.model.parallel import Checkpointed, TPComm, checkpoint_shape, take
 from ecoserve.model.spec import ModelLoadError, MoESpec
+
+if TYPE_CHECKING:
+    from ecoserve.model.packed import PackedExperts
 
 
 @dataclass(frozen=True)
@@ -68,15 +74,19 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                  w_down: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                  w_gate_up: torch.Tensor | Sequence[torch.Tensor], w_down: torch.Tensor | Sequence[torch.Tensor],
+                  first_expert: int = 0,
+                  linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) -> [T, H] in x's dtype.
 
-    `w_gate_up` [E_local, 2I, H], `w_down` [E_local, H, I] hold experts [first_expert, first_expert + E_local);
+    `w_gate_up` [E_local, 2I, H], `w_down` [E_local, H, I] hold experts [first_expert, first_expert + E_local),
+    stacked plain tensors for `F.linear`, or per-expert oneDNN-packed weights with their `linear`
+    (model/packed.py's `PackedExperts.gate_up`, `.down`, `.linear`);
     pairs routed to other experts contribute nothing here (another rank adds them). Each row is
     scaled in the weights' dtype and rounded to x's dtype before the sum, as transformers does.
     """
-    top_k, num_local = expert_ids.shape[1], w_gate_up.shape[0]
+    top_k, num_local = expert_ids.shape[1], len(w_gate_up)
     out = torch.zeros_like(x)
     local = expert_ids.flatten() - first_expert
     key = torch.where((local >= 0) & (local < num_local), local, num_local)  # another rank's: sorted last
@@ -87,17 +97,18 @@ def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
     if order.numel() == 0:
         return out
     tokens = order // top_k
-    rows = x[tokens]
+    rows = x.index_select(0, tokens)
+    scale = weights.flatten().index_select(0, order).unsqueeze(1)
     y = torch.empty_like(rows)
     start = 0
     for expert, count in enumerate(counts_list):
         if count:
-            segment = rows[start:start + count]
-            hidden = _silu_and_mul(F.linear(segment, w_gate_up[expert]))
-            torch.matmul(hidden, w_down[expert].t(), out=y[start:start + count])
+            hidden = _silu_and_mul(linear(rows[start:start + count], w_gate_up[expert]))
+            # the routing-weight scale while the rows are in cache: computed in the promoted dtype, rounded
+            # once to x's dtype as it is written into place for the one scatter-add below
+            torch.mul(linear(hidden, w_down[expert]), scale[start:start + count], out=y[start:start + count])
             start += count
-    scaled = (y * weights.flatten()[order, None]).to(x.dtype)
-    return out.index_add_(0, tokens, scaled)
+    return out.index_add_(0, tokens, y)
 
 
 class Router(nn.Module):
@@ -124,6 +135,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(hidden, moe.num_experts, dtype)
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * inter, hidden, dtype=dtype))
         self.w_down = nn.Parameter(torch.empty(local, hidden, inter, dtype=dtype))
+        self.packed_experts: PackedExperts | None = None  # set by model/packed.py's pack_moe_experts
         self.shared_intermediate = 0
         if moe.shared_expert_intermediate_size:
             tp_size = tp.size if tp else 1
@@ -150,7 +162,24 @@ class SparseMoeBlock(nn.Module):
         """This rank's (partial) routed-expert output; the seam an expert pool replaces to place weights."""
         if self.expert_pool is not None:
             return self.expert_pool(x, expert_ids, weights)
+        if self.packed_experts is not None:
+            packed = self.packed_experts
+            return fused_experts(x, expert_ids, weights, packed.gate_up, packed.down, self.shard.first_expert,
+                                 packed.linear)
         return fused_experts(x, expert_ids, weights, self.w_gate_up, self.w_down, self.shard.first_expert)
+
+    def pack_experts(self, packed: PackedExperts) -> None:
+        """Compute with `packed` (this block's experts, oneDNN-packed by model/packed.py); the stacked
+        parameters keep their dtype and trailing shape but no experts, so the weights are not held twice."""
+        self.packed_experts = packed
+        self.w_gate_up.data = self.w_gate_up.data[:0].clone()
+        self.w_down.data = self.w_down.data[:0].clone()
+
+    def unpack_experts(self) -> None:
+        """Undo `pack_experts` (the expert pool moves plain stacked weights between its tiers)."""
+        if self.packed_experts is not None:
+            self.w_gate_up.data, self.w_down.data = self.packed_experts.unpacked()
+            self.packed_experts = None
 
     # checkpoint names inside the block -> (our stacked parameter, which half of gate_up: 0 gate, 1 up; -1 down)
     _EXPERT_PARTS = {"w1": ("gate", 0), "gate_proj": ("gate", 0), "w3": ("up", 1), "up_proj": ("up", 1),

@@ -44,6 +44,21 @@ def test_blocks_equal_the_full_model_while_experts_move(mixtral):
     assert s.bytes_moved % pool.expert_bytes == 0 and s.bytes_moved >= (s.loads + s.prefetches) * pool.expert_bytes
 
 
+def test_pool_takes_the_plain_weights_of_packed_experts(mixtral):
+    """Experts prepacked for oneDNN (--cpu-linear onednn) go back to plain stacked weights the pool can move."""
+    plain = blocks_of(load_model(str(mixtral), cpu_linear="torch").model)
+    model = load_model(str(mixtral), cpu_linear="onednn").model
+    if blocks_of(model)[0].packed_experts is None:
+        pytest.skip("this torch has no oneDNN")
+    pool = ExpertPool.attach(model, 2, costs=FAKE)
+    for got, want in zip(blocks_of(model), plain):
+        assert got.packed_experts is None and torch.equal(got.w_gate_up, want.w_gate_up)
+        assert torch.equal(got.w_down, want.w_down)
+    x = torch.randn(4, plain[0].w_gate_up.shape[-1])
+    torch.testing.assert_close(blocks_of(model)[0](x), plain[0](x), rtol=0, atol=0)
+    assert pool.stats.hits + pool.stats.loads + pool.stats.host_computed > 0
+
+
 def test_one_token_runs_on_the_host_and_a_large_batch_is_loaded(mixtral):
     model = load_model(str(mixtral)).model
     block = blocks_of(model)[0]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ecoserve import LLM, SamplingParams
 from ecoserve.model.loader import load_model
 from ecoserve.model.moe import ExpertShard, SparseMoeBlock, fused_experts, route
+from ecoserve.model.packed import PackedExperts, onednn_bf16_supported
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 from tests.utils import MOE_CONFIGS, hf_logprobs, make_tiny_moe_checkpoint, prompts
 
@@ -61,6 +62,43 @@ def test_expert_shards_sum_to_the_whole():
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-6, atol=1e-6)
     only_rank1 = torch.full((9, 3), 4)
     assert fused_experts(x, only_rank1, weights, w_gate_up[:3], w_down[:3], 0).abs().max() == 0
+
+
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN has no bfloat16 on this CPU")
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_equal_the_plain_ones(dtype):
+    """oneDNN-packed experts give the plain grouped compute's output (the same rounding in bfloat16) and
+    unpack bit for bit; expert-parallel slices of the packed lists still add up."""
+    w_gate_up, w_down = expert_weights(dtype=dtype)
+    packed = PackedExperts(w_gate_up, w_down)
+    x, ids = torch.randn(9, 16).to(dtype), torch.tensor([[2, 1]] * 6 + [[3, 5], [5, 3], [0, 2]])
+    weights = torch.softmax(torch.randn(9, 2), dim=-1)
+    got = fused_experts(x, ids, weights, packed.gate_up, packed.down, linear=packed.linear)
+    want = fused_experts(x, ids, weights, w_gate_up, w_down)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    halves = [fused_experts(x, ids, weights, packed.gate_up[r * 3:(r + 1) * 3], packed.down[r * 3:(r + 1) * 3],
+                            r * 3, packed.linear) for r in range(2)]
+    torch.testing.assert_close(halves[0] + halves[1], got, rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 2e-2)
+    assert all(torch.equal(a, b) for a, b in zip(packed.unpacked(), (w_gate_up, w_down)))
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("dtype, cpu_linear, packed", [("bfloat16", "auto", True), ("bfloat16", "torch", False),
+                                                       ("float32", "auto", False), ("float32", "onednn", True)])
+def test_loader_packs_experts_where_cpu_linear_says(tmp_path, dtype, cpu_linear, packed):
+    path = make_tiny_moe_checkpoint(tmp_path / "m", "qwen3_moe")
+    block = load_model(str(path), dtype=dtype, cpu_linear=cpu_linear).model.layers[0].mlp
+    plain = load_model(str(path), dtype=dtype, cpu_linear="torch").model.layers[0].mlp
+    assert (block.packed_experts is not None) == packed
+    assert block.w_gate_up.numel() == 0 if packed else torch.equal(block.w_gate_up, plain.w_gate_up)
+    x = torch.randn(5, block.gate.weight.shape[1]).to(getattr(torch, dtype))
+    torch.testing.assert_close(block(x), plain(x), rtol=1e-5, atol=1e-5 if dtype == "float32" else 1e-2)
+    block.unpack_experts()  # what the expert pool does: the plain stacked weights back
+    assert block.packed_experts is None
+    assert torch.equal(block.w_gate_up, plain.w_gate_up) and torch.equal(block.w_down, plain.w_down)
 
 
 def test_router_matches_transformers_rules():
