@@ -12,12 +12,6 @@ takes one of two paths:
   slot's A at once, each row's other slots masked off, then one GEMM with the slots' B stacked. On CPU a
   small GEMM costs ~35 us of fixed overhead however thin it is, so five calls beat a pair per slot.
 
-That fixed cost is oneDNN's bfloat16 GEMM (25-40 us per call whatever the size); MKL's float32 SGEMM of the
-same small shapes costs 3-5 us but is 2-4x slower per FLOP than bf16 on AMX. So a bf16 model on CPU also keeps
-float32 copies of the slots, and a step whose LoRA work is small (rows x stacked width up to
-`FLOAT32_LIMIT`: decode steps; at most `FLOAT32_MAX_SEGMENTS` slots) runs the per-slot path in float32 (the rows widened once per module, the result
-rounded once into y); larger steps (prefill chunks) take the bf16 copies.
-
 Rows of the base model pay nothing, and a step without adapters costs one attribute test per module.
 The model's modules are wrapped after loading (`wrap_model`); the wrapped base may be an `nn.Linear`, a
 prepacked oneDNN linear or a quantized one: it is only called.
@@ -31,9 +25,6 @@ import torch
 from torch import nn
 
 from ecoserve.lora.checkpoint import FUSED_SLICES, LoRATargets, ModuleShape
-
-FLOAT32_LIMIT = 2048  # rows x LoRA width up to which float32 GEMMs beat bf16 ones (measured on an AMX Xeon)
-FLOAT32_MAX_SEGMENTS = 4  # beyond this many slots a pair of float32 GEMMs each costs more than the stacked path
 
 
 @dataclass
@@ -118,11 +109,6 @@ class LoRALinear(nn.Module):
                                                    device=device), persistent=False)
         self.register_buffer("lora_bt", torch.zeros(num_slots, n * max_rank, self.out_features, dtype=dtype,
                                                     device=device), persistent=False)
-        self.lora_a32: torch.Tensor | None = None  # float32 copies for small steps (a bf16 model on CPU)
-        self.lora_bt32: torch.Tensor | None = None
-        if dtype != torch.float32 and device.type == "cpu":
-            self.lora_a32 = torch.zeros(num_slots, n * max_rank, shape.in_features, device=device)
-            self.lora_bt32 = torch.zeros(num_slots, n * max_rank, self.out_features, device=device)
         self.adapted = [False] * num_slots  # the slot's adapter adapts this module (else it is skipped)
         self.stack_limit = shape.in_features + self.out_features
         self._stack_key: tuple | None = None  # what `_stack` (A and B of the last stacked slots) was built for
@@ -133,9 +119,6 @@ class LoRALinear(nn.Module):
         """Copy one adapter's weights of this module into `slot` (None: the adapter does not adapt it)."""
         self.lora_a[slot].zero_()  # the stacked path reads whole slots: nothing of an earlier adapter may stay
         self.lora_bt[slot].zero_()
-        if self.lora_a32 is not None:
-            self.lora_a32[slot].zero_()
-            self.lora_bt32[slot].zero_()
         if weights is None:
             self.adapted[slot] = False
             return
@@ -147,9 +130,6 @@ class LoRALinear(nn.Module):
             if bt is not None:
                 o = self.offsets[i]
                 b[i * rank:(i + 1) * rank, o:o + self.slice_sizes[i]].copy_(bt, non_blocking=non_blocking)
-        if self.lora_a32 is not None:
-            self.lora_a32[slot, :rows].copy_(self.lora_a[slot, :rows])
-            self.lora_bt32[slot, :rows].copy_(b)
         self.adapted[slot] = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,11 +139,7 @@ class LoRALinear(nn.Module):
         if not segments:
             return y
         layer, ready, n = self.layer, step.ready, len(self.slice_sizes)
-        stack_width = len(segments) * n * step.max_rank
-        if (self.lora_a32 is not None and len(segments) <= FLOAT32_MAX_SEGMENTS
-                and step.num_rows * n * step.max_rank <= FLOAT32_LIMIT):
-            return self._float32(x, y, segments, n)
-        if len(segments) > 1 and stack_width <= self.stack_limit:
+        if len(segments) > 1 and len(segments) * n * step.max_rank <= self.stack_limit:
             return self._stacked(x, y, segments, n * step.max_rank)
         for seg in segments:
             slot = seg.slot
@@ -178,26 +154,6 @@ class LoRALinear(nn.Module):
             else:
                 h = torch.mm(x.index_select(0, rows), self.lora_a[slot, :k].t())
                 y.index_add_(0, rows, torch.mm(h, self.lora_bt[slot, :k]))
-        return y
-
-    def _float32(self, x: torch.Tensor, y: torch.Tensor, segments: list[Segment], n: int) -> torch.Tensor:
-        """The per-slot path on the float32 copies: x widened once, each segment's two GEMMs through MKL, each
-        result rounded once as it is added into y."""
-        step, layer = self.step, self.layer
-        x32 = x.float()
-        for seg in segments:
-            slot = seg.slot
-            if (step.ready[slot] <= layer or step.layer_events[slot]) and not step.wait(slot, layer):
-                continue
-            if not self.adapted[slot]:
-                continue
-            k = n * seg.rank
-            rows = seg.rows
-            if isinstance(rows, slice):
-                y[rows].add_(torch.mm(torch.mm(x32[rows], self.lora_a32[slot, :k].t()), self.lora_bt32[slot, :k]))
-            else:
-                h = torch.mm(x32.index_select(0, rows), self.lora_a32[slot, :k].t())
-                y.index_add_(0, rows, torch.mm(h, self.lora_bt32[slot, :k]).to(y.dtype))
         return y
 
     def _stacked(self, x: torch.Tensor, y: torch.Tensor, segments: list[Segment], width: int) -> torch.Tensor:
