@@ -10,26 +10,15 @@ decode` times the decode rows alone (best of several runs on a busy machine: `--
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from ecoserve import kernels
+from ecoserve.bench.roofline import median_ms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PAIRS = [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")]
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def scattered_tables(lengths: list[int], block_size: int) -> tuple[torch.Tensor, int]:

@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
+from ecoserve.bench.roofline import median_ms
 from ecoserve.model.moe import fused_experts
 from ecoserve.model.packed import PackedExperts, onednn_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def hf_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, w_gate_up, w_down):

@@ -10,6 +10,7 @@ large copy at the same threads: both measured seconds before or after the run th
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,17 @@ class Roofline:
     num_threads: int
     gemm_peak_gflops: float
     memory_gbps: float
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median milliseconds per call of `fn` over `repeats` calls, after one warm-up call (kernel benchmarks)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def _timed(fn, min_s: float, min_repeat: int = 3) -> float:
