@@ -175,3 +175,10 @@ def fused_ops(isa: str | None = None):
 def quant_matmul(isa: str | None = None):
     """The compiled module with `quant_linear(x, w, qtype)` and `dequantize(w, qtype, K)`, or None."""
     return _load("quant_matmul", "torch dequantization", isa=target_isa(isa))
+
+
+def lora_sgmv(isa: str | None = None):
+    """The compiled `lora_sgmv_(y, x, a, b, rows, bounds, slots, widths)` (every adapter segment of a step in one
+    call, through torch's cpublas micro-kernels), or None."""
+    module = _load("lora_sgmv", "torch GEMMs per adapter slot", isa=target_isa(isa))
+    return module.lora_sgmv_ if module is not None else None

@@ -2,8 +2,12 @@
 
 Adapters live in a fixed pool of `max_loras` slots per wrapped module (A: [slots, n_slices * max_rank, in],
 B^T block-diagonal over the slices: [slots, n_slices * max_rank, out]), so shapes never change while
-adapters come and go. A step's tokens are grouped by slot (Punica's SGMV idea, on CPU) and each module
-takes one of two paths:
+adapters come and go. A step's tokens are grouped by slot (Punica's SGMV idea, on CPU). On a CPU where torch's cpublas
+micro-kernels run the model's dtype (float32 on AVX2 and up; bfloat16 with AVX512-BF16 or AMX) every
+module makes one native call for all its segments (`kernels/lora_sgmv.cpp`: a shrink and an expand
+micro-kernel call per block of rows, 1-6 us each where a oneDNN GEMM costs 20-60), its slots packed the way
+those kernels read them. Elsewhere (a GPU, no compiler, no such instructions) each module takes one of two
+torch paths:
 
 - per slot: a shrink and an expand GEMM over the slot's rows, using only the slot's own rank; a slot whose
   rows are one contiguous run is read and updated in place through views, otherwise its rows are gathered
@@ -24,7 +28,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ecoserve.kernels import cpu_flags, lora_sgmv
 from ecoserve.lora.checkpoint import FUSED_SLICES, LoRATargets, ModuleShape
+
+
+def native_sgmv(dtype: torch.dtype, device: torch.device):
+    """The native all-segments kernel where torch's cpublas micro-kernels run `dtype` on this CPU, else None."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return None
+    if dtype == torch.bfloat16 and not {"avx512_bf16", "amx_bf16"} & cpu_flags():
+        return None  # oneDNN would emulate bf16: the torch paths are as fast
+    if dtype not in (torch.float32, torch.bfloat16) or "avx2" not in cpu_flags():
+        return None
+    return lora_sgmv()
 
 
 @dataclass
@@ -51,6 +67,7 @@ class LoRAStep:
     num_rows: int = 0  # tokens in the step
     max_rank: int = 0  # the highest rank among the step's slots
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # width per slot -> [rows, slots * width]
+    _native: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (slices, v) -> the kernel's index tensors
 
     def __post_init__(self) -> None:
         self.ready = [0] * self.num_slots
@@ -62,6 +79,25 @@ class LoRAStep:
         self.segments, self.num_rows = segments, num_rows
         self.max_rank = max((seg.rank for seg in segments), default=0)
         self._masks = {}
+        self._native = {}
+
+    def native_args(self, num_slices: int, v: int, segments: list[Segment] | None = None) -> tuple:
+        """(rows, bounds, slots, widths) for `lora_sgmv_`: the segments' rows one after another, their offsets,
+        slots and widths (slices x rank rounded up to v); for the step's segments, built once per step."""
+        key = (num_slices, v)
+        args = self._native.get(key) if segments is None else None
+        if args is None:
+            chosen = self.segments if segments is None else segments
+            rows = [torch.arange(seg.rows.start, seg.rows.stop) if isinstance(seg.rows, slice) else seg.rows.cpu()
+                    for seg in chosen]
+            bounds = [0]
+            for r in rows:
+                bounds.append(bounds[-1] + len(r))
+            args = (torch.cat(rows), torch.tensor(bounds), torch.tensor([seg.slot for seg in chosen]),
+                    torch.tensor([-(-num_slices * seg.rank // v) * v for seg in chosen]))
+            if segments is None:
+                self._native[key] = args
+        return args
 
     def mask(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """[rows, segments * width]: 1 where a row belongs to the segment whose `width` columns these are (the
@@ -105,10 +141,19 @@ class LoRALinear(nn.Module):
         self.slice_sizes = shape.slice_sizes
         self.offsets = [sum(shape.slice_sizes[:i]) for i in range(n)]
         self.out_features = sum(shape.slice_sizes)
-        self.register_buffer("lora_a", torch.zeros(num_slots, n * max_rank, shape.in_features, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.register_buffer("lora_bt", torch.zeros(num_slots, n * max_rank, self.out_features, dtype=dtype,
-                                                    device=device), persistent=False)
+        v = 2 if dtype == torch.bfloat16 else 1  # the micro-kernels read bf16 B in pairs along the reduced dimension
+        self.sgmv = native_sgmv(dtype, device) if shape.in_features % v == 0 else None
+        if self.sgmv is not None:  # packed as the kernel reads them: A^T [in / v, W, v], B^T [W / v, out, v]
+            self.v, self.width = v, -(-n * max_rank // v) * v
+            self.register_buffer("lora_a", torch.zeros(num_slots, shape.in_features // v, self.width, v, dtype=dtype,
+                                                       device=device), persistent=False)
+            self.register_buffer("lora_bt", torch.zeros(num_slots, self.width // v, self.out_features, v,
+                                                        dtype=dtype, device=device), persistent=False)
+        else:
+            self.register_buffer("lora_a", torch.zeros(num_slots, n * max_rank, shape.in_features, dtype=dtype,
+                                                       device=device), persistent=False)
+            self.register_buffer("lora_bt", torch.zeros(num_slots, n * max_rank, self.out_features, dtype=dtype,
+                                                        device=device), persistent=False)
         self.adapted = [False] * num_slots  # the slot's adapter adapts this module (else it is skipped)
         self.stack_limit = shape.in_features + self.out_features
         self._stack_key: tuple | None = None  # what `_stack` (A and B of the last stacked slots) was built for
@@ -117,6 +162,8 @@ class LoRALinear(nn.Module):
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, list[torch.Tensor | None]] | None, rank: int,
                   non_blocking: bool = False) -> None:
         """Copy one adapter's weights of this module into `slot` (None: the adapter does not adapt it)."""
+        if self.sgmv is not None:
+            return self._load_packed(slot, weights, rank)
         self.lora_a[slot].zero_()  # the stacked path reads whole slots: nothing of an earlier adapter may stay
         self.lora_bt[slot].zero_()
         if weights is None:
@@ -132,6 +179,23 @@ class LoRALinear(nn.Module):
                 b[i * rank:(i + 1) * rank, o:o + self.slice_sizes[i]].copy_(bt, non_blocking=non_blocking)
         self.adapted[slot] = True
 
+    def _load_packed(self, slot: int, weights: tuple[torch.Tensor, list[torch.Tensor | None]] | None,
+                     rank: int) -> None:
+        """`load_slot` for the native kernel: the slot's A and block-diagonal B^T laid out whole, then packed."""
+        width, v = self.width, self.v
+        a_full = torch.zeros(width, self.lora_a.shape[1] * v, dtype=self.lora_a.dtype)
+        b_full = torch.zeros(width, self.out_features, dtype=self.lora_bt.dtype)
+        self.adapted[slot] = weights is not None
+        if weights is not None:
+            a, bts = weights
+            a_full[:len(bts) * rank].copy_(a)
+            for i, bt in enumerate(bts):
+                if bt is not None:
+                    o = self.offsets[i]
+                    b_full[i * rank:(i + 1) * rank, o:o + self.slice_sizes[i]].copy_(bt)
+        self.lora_a[slot].copy_(a_full.view(width, -1, v).permute(1, 0, 2))
+        self.lora_bt[slot].copy_(b_full.view(width // v, v, -1).permute(0, 2, 1))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = self.step
@@ -139,6 +203,8 @@ class LoRALinear(nn.Module):
         if not segments:
             return y
         layer, ready, n = self.layer, step.ready, len(self.slice_sizes)
+        if self.sgmv is not None:
+            return self._native(x, y, segments, n)
         if len(segments) > 1 and len(segments) * n * step.max_rank <= self.stack_limit:
             return self._stacked(x, y, segments, n * step.max_rank)
         for seg in segments:
@@ -154,6 +220,19 @@ class LoRALinear(nn.Module):
             else:
                 h = torch.mm(x.index_select(0, rows), self.lora_a[slot, :k].t())
                 y.index_add_(0, rows, torch.mm(h, self.lora_bt[slot, :k]))
+        return y
+
+    def _native(self, x: torch.Tensor, y: torch.Tensor, segments: list[Segment], n: int) -> torch.Tensor:
+        """Every segment in one native call; segments whose load failed, or whose adapter leaves this module
+        alone, are left out (their rows get no LoRA here)."""
+        step, layer = self.step, self.layer
+        kept = [seg for seg in segments
+                if (step.ready[seg.slot] > layer or step.wait(seg.slot, layer)) and self.adapted[seg.slot]]
+        if not kept:
+            return y
+        args = step.native_args(n, self.v, None if len(kept) == len(segments) else kept)
+        y = y.contiguous()
+        self.sgmv(y, x.contiguous(), self.lora_a, self.lora_bt, *args)
         return y
 
     def _stacked(self, x: torch.Tensor, y: torch.Tensor, segments: list[Segment], width: int) -> torch.Tensor:
