@@ -3,7 +3,7 @@
 Adapters live in a fixed pool of `max_loras` slots per wrapped module (A: [slots, n_slices * max_rank, in],
 B^T block-diagonal over the slices: [slots, n_slices * max_rank, out]), so shapes never change while
 adapters come and go. A step's tokens are grouped by slot (Punica's SGMV idea, on CPU). On a CPU where torch's cpublas
-micro-kernels run the model's dtype (float32 on AVX2 and up; bfloat16 with AVX512-BF16 or AMX) every
+micro-kernels run the model's dtype (float32 on AVX2 and up; bfloat16 with AMX) every
 module makes one native call for all its segments (`kernels/lora_sgmv.cpp`: a shrink and an expand
 micro-kernel call per block of rows, 1-6 us each where a oneDNN GEMM costs 20-60), its slots packed the way
 those kernels read them. Elsewhere (a GPU, no compiler, no such instructions) each module takes one of two
@@ -36,8 +36,8 @@ def native_sgmv(dtype: torch.dtype, device: torch.device):
     """The native all-segments kernel where torch's cpublas micro-kernels run `dtype` on this CPU, else None."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return None
-    if dtype == torch.bfloat16 and not {"avx512_bf16", "amx_bf16"} & cpu_flags():
-        return None  # oneDNN would emulate bf16: the torch paths are as fast
+    if dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags():
+        return None  # the slots' pair-interleaved layout is the one AMX's micro-kernels read
     if dtype not in (torch.float32, torch.bfloat16) or "avx2" not in cpu_flags():
         return None
     return lora_sgmv()
