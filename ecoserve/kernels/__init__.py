@@ -175,3 +175,11 @@ def fused_ops(isa: str | None = None):
 def quant_matmul(isa: str | None = None):
     """The compiled module with `quant_linear(x, w, qtype)` and `dequantize(w, qtype, K)`, or None."""
     return _load("quant_matmul", "torch dequantization", isa=target_isa(isa))
+
+
+def moe_experts(isa: str | None = None):
+    """The compiled module with `moe_experts(x, ids, weights, gate_up, down, inter, first)` (one MoE layer's
+    routed experts in one call), `pack_experts(w)`, `unpack_experts(packed, N, K)` and `supports(dtype)`,
+    or None. Its GEMMs are PyTorch's oneDNN brgemm micro-kernels, which pick the CPU's matrix unit at run
+    time whatever `isa` the surrounding code is built for."""
+    return _load("moe_experts", "the per-expert oneDNN GEMMs", exact=True, isa=target_isa(isa))
