@@ -30,8 +30,8 @@ namespace {
 
 using namespace ecoserve_simd;
 
-constexpr int64_t BN = 32;  // output columns per packed block: one AMX tile row of bf16
-constexpr int64_t BM = 32;  // rows of one expert per tile
+constexpr int64_t BN = 64;  // output columns per packed block: two AMX tiles of bf16 side by side
+constexpr int64_t BM = 64;  // rows of one expert per tile
 
 int64_t blocks(int64_t n) { return (n + BN - 1) / BN; }
 

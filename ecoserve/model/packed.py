@@ -83,7 +83,7 @@ class PackedExperts(nn.Module):
 
 class NativeExperts(nn.Module):
     """The routed experts of one MoE block packed once for the native grouped kernel (kernels/moe_experts.cpp):
-    each matrix in blocks of 32 output columns in the layout PyTorch's brgemm micro-kernels read, and one call
+    each matrix in blocks of 64 output columns in the layout PyTorch's brgemm micro-kernels read, and one call
     per layer computes every active expert (`fused_experts`' result, as the same roundings give)."""
 
     def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:

@@ -44,7 +44,8 @@ def close(got, want, dtype):
 # (tokens, experts, top_k, hidden, intermediate, routing): "random" softmax top-k, "one-hot" sends every
 # token to expert 0 first (it gets all rows, most experts none), "single" one token
 CASES = [(1, 8, 1, 64, 32, "random"), (1, 8, 8, 96, 64, "random"), (5, 8, 2, 81, 47, "random"),
-         (40, 16, 2, 80, 48, "one-hot"), (70, 12, 8, 100, 36, "random"), (3, 64, 8, 768, 256, "random")]
+         (40, 16, 2, 80, 48, "one-hot"), (70, 12, 8, 100, 36, "random"), (9, 8, 3, 130, 100, "random"),
+         (3, 64, 8, 768, 256, "random"), (200, 4, 2, 64, 64, "one-hot")]
 
 
 def routing(T, E, k, kind, seed=1):
@@ -107,7 +108,7 @@ def test_pack_and_unpack_round_trip_bit_for_bit(dtype, shape):
     w = torch.randn(shape).to(dtype)
     w[0, 0, :3] = torch.tensor([-0.0, float("inf"), 1e-30])
     packed = module.pack_experts(w)
-    assert packed.shape[:2] == (shape[0], -(-shape[1] // 32))
+    assert packed.shape[0] == shape[0] and packed.numel() >= w.numel()  # whole column blocks, zero-padded
     assert torch.equal(module.unpack_experts(packed, shape[1], shape[2]).view(torch.int16 if dtype == torch.bfloat16
                                                                                else torch.int32),
                        w.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
