@@ -14,7 +14,8 @@ bad table is a RuntimeError that names the row, column and value.
 The engine works without them: if the compiler or ninja is missing, or ECOSERVE_NO_NATIVE=1,
 `paged_decode()` and `paged_prefill()` return None and attention falls back to torch SDPA (over
 gathered blocks for decodes), `fused_ops()` returns None and the layers run torch's elementwise
-ops, and `quant_matmul()` returns None and quantized layers dequantize with torch.
+ops, `quant_matmul()` returns None and quantized layers dequantize with torch, and `moe_experts()` returns
+None and MoE layers run one oneDNN (or torch) GEMM pair per active expert.
 
 `ECOSERVE_KERNEL_ISA=avx2` (or the `isa` argument of the loaders) builds for a lower instruction set
 than this CPU's, AVX2 + FMA without AVX-512, AVX-VNNI or AMX, into its own folder: tests run the AVX2

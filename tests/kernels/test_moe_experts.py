@@ -97,6 +97,8 @@ def test_routing_weights_in_the_model_dtype_and_expert_parallel_slices(dtype):
         close(halves[r], fused_experts(x, ids, weights, w_gate_up[r * 4:(r + 1) * 4], w_down[r * 4:(r + 1) * 4], r * 4),
               dtype)
     close(halves[0].float() + halves[1].float(), whole.float(), dtype)
+    empty = module.moe_experts(x[:0], ids[:0], weights[:0], *pack(module, w_gate_up, w_down), I, 0)
+    assert empty.shape == (0, H) and empty.dtype == dtype
     elsewhere = torch.full((T, k), 7)
     assert module.moe_experts(x, elsewhere, weights, *pack(module, w_gate_up[:4], w_down[:4]), I, 0).abs().max() == 0
 
