@@ -3,10 +3,11 @@
 One MoE layer's routed experts (default: the benchmark's Qwen3-MoE, 64 experts of 256, hidden 768, top-8)
 over T tokens with random routing: `grouped` is `fused_experts` (sort the (token, expert) pairs by expert,
 one gate/up and one down GEMM per active expert, one index_add) on plain stacked weights (torch's GEMM),
-`packed` the same over oneDNN-prepacked experts (model/packed.py's `PackedExperts`, what the engine
-runs in bfloat16 and under `--cpu-linear onednn`); `per-expert loop` is transformers'
+`packed` the same over oneDNN-prepacked experts (model/packed.py's `PackedExperts`, the engine's fallback
+in bfloat16 and under `--cpu-linear onednn`), `native` the grouped kernel kernels/moe_experts.cpp (one call
+per layer; model/packed.py's `NativeExperts`, what the engine runs where it builds); `loop` is transformers'
 `Qwen3MoeExperts.forward` with the same weights (a one-hot mask per expert, torch.where, index_add per
-expert). Prints the median ms per call of each after a warm-up, the loop's time over the faster grouped
+expert). Prints the median ms per call of each after a warm-up, the loop's time over the fastest grouped
 path's, and the weight bytes the active experts stream per call; `--json` writes the rows. Run it on an idle machine, e.g.
 `taskset -c 0 python scripts/bench_moe_experts.py --threads 1`.
 """
@@ -19,7 +20,7 @@ import torch
 
 from ecoserve.bench.roofline import median_ms
 from ecoserve.model.moe import fused_experts
-from ecoserve.model.packed import PackedExperts, onednn_available
+from ecoserve.model.packed import NativeExperts, PackedExperts, onednn_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -55,7 +56,7 @@ def main() -> None:
     rows = []
     print(f"{args.experts} experts of {args.intermediate}, hidden {args.hidden}, top-{args.top_k}, "
           f"{torch.get_num_threads()} thread(s)")
-    print(f"{'dtype':<10}{'tokens':>7}{'active':>8}{'grouped ms':>12}{'packed ms':>11}{'loop ms':>10}"
+    print(f"{'dtype':<10}{'tokens':>7}{'active':>8}{'grouped ms':>12}{'packed ms':>11}{'native ms':>11}{'loop ms':>10}"
           f"{'loop/best':>11}{'MB read':>9}")
     for name in args.dtypes:
         dtype = DTYPES[name]
@@ -63,6 +64,7 @@ def main() -> None:
         w_down = (0.02 * torch.randn(args.experts, args.hidden, args.intermediate)).to(dtype)
         loop = hf_experts(args.experts, args.hidden, args.intermediate, dtype, w_gate_up, w_down)
         packed = PackedExperts(w_gate_up, w_down) if onednn_available() else None
+        native = NativeExperts(w_gate_up, w_down) if NativeExperts.supports(dtype) else None
         for tokens in args.tokens:
             x = torch.randn(tokens, args.hidden).to(dtype)
             weights, ids = torch.softmax(torch.randn(tokens, args.experts), -1).topk(args.top_k, dim=-1)
@@ -71,14 +73,15 @@ def main() -> None:
                 grouped_ms = median_ms(lambda: fused_experts(x, ids, weights, w_gate_up, w_down), args.repeats)
                 packed_ms = None if packed is None else median_ms(lambda: fused_experts(
                     x, ids, weights, packed.gate_up, packed.down, linear=packed.linear), args.repeats)
+                native_ms = None if native is None else median_ms(lambda: native(x, ids, weights), args.repeats)
                 loop_ms = median_ms(lambda: loop(x, ids, weights), args.repeats)
             active = int(ids.unique().numel())
             mb = active * 3 * args.hidden * args.intermediate * w_down.element_size() / 1e6
             rows.append(dict(dtype=name, tokens=tokens, active_experts=active, grouped_ms=grouped_ms,
-                             packed_ms=packed_ms, loop_ms=loop_ms, weight_mb=mb))
-            best = min(grouped_ms, packed_ms or grouped_ms)
-            packed_col = "-" if packed_ms is None else f"{packed_ms:.3f}"
-            print(f"{name:<10}{tokens:>7}{active:>8}{grouped_ms:>12.3f}{packed_col:>11}{loop_ms:>10.3f}"
+                             packed_ms=packed_ms, native_ms=native_ms, loop_ms=loop_ms, weight_mb=mb))
+            best = min(ms for ms in (grouped_ms, packed_ms, native_ms) if ms is not None)
+            packed_col, native_col = ("-" if ms is None else f"{ms:.3f}" for ms in (packed_ms, native_ms))
+            print(f"{name:<10}{tokens:>7}{active:>8}{grouped_ms:>12.3f}{packed_col:>11}{native_col:>11}{loop_ms:>10.3f}"
                   f"{loop_ms / best:>10.2f}x{mb:>9.1f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -14,7 +14,9 @@ bad table is a RuntimeError that names the row, column and value.
 The engine works without them: if the compiler or ninja is missing, or ECOSERVE_NO_NATIVE=1,
 `paged_decode()` and `paged_prefill()` return None and attention falls back to torch SDPA (over
 gathered blocks for decodes), `fused_ops()` returns None and the layers run torch's elementwise
-ops, and `quant_matmul()` returns None and quantized layers dequantize with torch.
+ops, `quant_matmul()` returns None and quantized layers dequantize with torch, `moe_experts()` returns
+None and MoE layers run one oneDNN (or torch) GEMM pair per active expert, and `lora_sgmv()` returns None
+and LoRA modules run torch GEMMs per adapter slot.
 
 `ECOSERVE_KERNEL_ISA=avx2` (or the `isa` argument of the loaders) builds for a lower instruction set
 than this CPU's, AVX2 + FMA without AVX-512, AVX-VNNI or AMX, into its own folder: tests run the AVX2
@@ -175,6 +177,14 @@ def fused_ops(isa: str | None = None):
 def quant_matmul(isa: str | None = None):
     """The compiled module with `quant_linear(x, w, qtype)` and `dequantize(w, qtype, K)`, or None."""
     return _load("quant_matmul", "torch dequantization", isa=target_isa(isa))
+
+
+def moe_experts(isa: str | None = None):
+    """The compiled module with `moe_experts(x, ids, weights, gate_up, down, inter, first)` (one MoE layer's
+    routed experts in one call), `pack_experts(w)`, `unpack_experts(packed, N, K)` and `supports(dtype)`,
+    or None. Its GEMMs are PyTorch's oneDNN brgemm micro-kernels, which pick the CPU's matrix unit at run
+    time whatever `isa` the surrounding code is built for."""
+    return _load("moe_experts", "the per-expert oneDNN GEMMs", exact=True, isa=target_isa(isa))
 
 
 def lora_sgmv(isa: str | None = None):

@@ -40,6 +40,10 @@ inline float from_float<float>(float x) { return x; }
 template <>
 inline c10::BFloat16 from_float<c10::BFloat16>(float x) { return c10::BFloat16(float_to_bf16_bits(x), c10::BFloat16::from_bits()); }
 
+// x rounded to T: the result of a torch op in T (identity for float)
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
 // out[i] = in[i] converted, for rows of either element type.
 template <typename To, typename From>
 inline void convert_row(To* __restrict out, const From* __restrict in, int64_t n) {

@@ -26,16 +26,6 @@ inline int64_t grain(int64_t row_floats) { return std::max<int64_t>(1, 16384 / s
 
 using namespace ecoserve_simd;
 
-// silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that no exponential overflows.
-inline float silu(float g) {
-  const float z = exp_nonpositive(g < 0.f ? g : -g);
-  return g * ((g < 0.f ? z : 1.f) / (1.f + z));
-}
-
-// x rounded to T: the result of a torch op in T (identity for float)
-template <typename T>
-inline float round_to(float x) { return to_float(from_float<T>(x)); }
-
 // The loops over c10::BFloat16 elements do not vectorize on their own: bf16 rows take explicit vector
 // loops (the same operations in the same order per element), float32 rows the compiler's.
 template <typename T>
@@ -126,17 +116,6 @@ void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
     }
   });
 }
-
-#ifdef ECOSERVE_SIMD
-// silu on a vector, for bf16 rows: the exponential's fused multiply-adds may move the float32 value by
-// an ulp from the scalar loop's, which rounding to bf16 hides but on a rounding boundary.
-inline vec vsilu(vec g) {
-  const vec zero = vset1(0.f);
-  const vec z = vexp_nonpositive(vsub(zero, vmax(g, vsub(zero, g))));  // exp(-|g|)
-  const vec one = vset1(1.f);
-  return vmul(g, vdiv(vselect(vle(g, zero), z, one), vadd(one, z)));
-}
-#endif
 
 template <typename T>
 void silu_mul_rows(const torch::Tensor& x, torch::Tensor& out) {

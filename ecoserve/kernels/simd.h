@@ -56,6 +56,12 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so that no exponential overflows.
+inline float silu(float g) {
+  const float z = exp_nonpositive(g < 0.f ? g : -g);
+  return g * ((g < 0.f ? z : 1.f) / (1.f + z));
+}
+
 #if defined(__AVX512F__)
 #define ECOSERVE_SIMD 1
 using vec = __m512;
@@ -161,6 +167,15 @@ inline vec vexp_nonpositive(vec x) {
   p = vfma(p, r, vset1(1.f));
   p = vfma(p, r, vset1(1.f));
   return vselect(vle(lo, x), vmul(p, vpow2i(n)), vset1(0.f));
+}
+
+// silu on a vector, for bf16 rows: the exponential's fused multiply-adds may move the float32 value by
+// an ulp from the scalar loop's, which rounding to bf16 hides but on a rounding boundary.
+inline vec vsilu(vec g) {
+  const vec zero = vset1(0.f);
+  const vec z = vexp_nonpositive(vsub(zero, vmax(g, vsub(zero, g))));  // exp(-|g|)
+  const vec one = vset1(1.f);
+  return vmul(g, vdiv(vselect(vle(g, zero), z, one), vadd(one, z)));
 }
 #endif
 

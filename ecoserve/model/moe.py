@@ -7,6 +7,8 @@ at once), scales each expert's rows by their routing weights as its down GEMM's 
 adds them back into their tokens with one `index_add_`. Experts that no token picked cost nothing; no Python loop runs over tokens. On CPU
 (`--cpu-linear auto|onednn`) each expert's two matrices are prepacked for oneDNN like the dense linear
 layers (model/packed.py's `PackedExperts`): its AMX / AVX512-BF16 GEMM instead of torch's on plain slices.
+Where the native grouped kernel runs the dtype, the experts are packed for it instead (`NativeExperts`,
+kernels/moe_experts.cpp): the same computation and roundings in one call per layer.
 
 Expert weights are stacked per layer: `w_gate_up` [E, 2I, H] (gate rows, then up rows) and
 `w_down` [E, H, I], the layout of transformers' fused experts. Under tensor parallelism each rank
@@ -28,7 +30,7 @@ from ecoserve.model.parallel import Checkpointed, TPComm, checkpoint_shape, take
 from ecoserve.model.spec import ModelLoadError, MoESpec
 
 if TYPE_CHECKING:
-    from ecoserve.model.packed import PackedExperts
+    from ecoserve.model.packed import NativeExperts, PackedExperts
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(hidden, moe.num_experts, dtype)
         self.w_gate_up = nn.Parameter(torch.empty(local, 2 * inter, hidden, dtype=dtype))
         self.w_down = nn.Parameter(torch.empty(local, hidden, inter, dtype=dtype))
-        self.packed_experts: PackedExperts | None = None  # set by model/packed.py's pack_moe_experts
+        self.packed_experts: PackedExperts | NativeExperts | None = None  # set by model/packed.py's pack_moe_experts
         self.shared_intermediate = 0
         if moe.shared_expert_intermediate_size:
             tp_size = tp.size if tp else 1
@@ -163,13 +165,11 @@ class SparseMoeBlock(nn.Module):
         if self.expert_pool is not None:
             return self.expert_pool(x, expert_ids, weights)
         if self.packed_experts is not None:
-            packed = self.packed_experts
-            return fused_experts(x, expert_ids, weights, packed.gate_up, packed.down, self.shard.first_expert,
-                                 packed.linear)
+            return self.packed_experts(x, expert_ids, weights, self.shard.first_expert)
         return fused_experts(x, expert_ids, weights, self.w_gate_up, self.w_down, self.shard.first_expert)
 
-    def pack_experts(self, packed: PackedExperts) -> None:
-        """Compute with `packed` (this block's experts, oneDNN-packed by model/packed.py); the stacked
+    def pack_experts(self, packed: PackedExperts | NativeExperts) -> None:
+        """Compute with `packed` (this block's experts, packed by model/packed.py); the stacked
         parameters keep their dtype and trailing shape but no experts, so the weights are not held twice."""
         self.packed_experts = packed
         self.w_gate_up.data = self.w_gate_up.data[:0].clone()

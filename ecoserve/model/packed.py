@@ -10,12 +10,18 @@ its own packed copy (the embedding keeps the plain table). The routed experts of
 block are packed the same way, each expert's gate/up and down matrix on its own (`PackedExperts`): in
 bfloat16 always (1.3-1.6x torch's GEMM over one MoE layer here, Xeon with AMX, 1 thread), in float32 only
 under `--cpu-linear onednn`, since there oneDNN's packed GEMM measured 0.8x torch's at decode-sized
-groups (1-8 tokens per expert) and 1.14x at prefill-sized ones.
+groups (1-8 tokens per expert) and 1.14x at prefill-sized ones. Where the native grouped kernel
+(kernels/moe_experts.cpp) builds and runs the dtype (bfloat16 where `cpublas::could_pack` says AMX,
+float32 anywhere), the experts are packed for it instead (`NativeExperts`): one call per layer, not two
+oneDNN calls of ~100 us fixed cost per active expert.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ecoserve.kernels import moe_experts
+from ecoserve.model.moe import fused_experts
 
 _PACK_BATCH_HINT = 128  # the batch size oneDNN's reorder tunes the layout for; any batch runs
 
@@ -63,12 +69,51 @@ class PackedExperts(nn.Module):
         self.gate_up = [getattr(self, f"gate_up_{e}") for e in range(self.num_experts)]
         self.down = [getattr(self, f"down_{e}") for e in range(self.num_experts)]
 
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                first_expert: int = 0) -> torch.Tensor:
+        return fused_experts(x, expert_ids, weights, self.gate_up, self.down, first_expert, self.linear)
+
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked plain weights (w_gate_up [E, 2I, H], w_down [E, H, I]) back, bit for bit."""
         return (torch.stack([w.to_dense() for w in self.gate_up]), torch.stack([w.to_dense() for w in self.down]))
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, {str(self.gate_up_0.dtype).removeprefix('torch.')} oneDNN prepacked"
+
+
+class NativeExperts(nn.Module):
+    """The routed experts of one MoE block packed once for the native grouped kernel (kernels/moe_experts.cpp):
+    each matrix in blocks of 64 output columns in the layout PyTorch's brgemm micro-kernels read, and one call
+    per layer computes every active expert (`fused_experts`' result, as the same roundings give)."""
+
+    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        super().__init__()
+        kernel = moe_experts()
+        self.num_experts, two_inter, self.hidden = w_gate_up.shape
+        self.inter = two_inter // 2
+        gate, up = (w.contiguous() for w in w_gate_up.detach().split(self.inter, dim=1))
+        # the gate's column blocks, then the up's: a tile's two GEMMs read matching blocks of each
+        self.register_buffer("gate_up", torch.cat([kernel.pack_experts(gate), kernel.pack_experts(up)], dim=1))
+        self.register_buffer("down", kernel.pack_experts(w_down.detach().contiguous()))
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        """The kernel builds here and runs `dtype` through brgemm (bfloat16 needs AMX's packed layout)."""
+        kernel = moe_experts()
+        return kernel is not None and dtype in (torch.float32, torch.bfloat16) and kernel.supports(dtype)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                first_expert: int = 0) -> torch.Tensor:
+        return moe_experts().moe_experts(x, expert_ids, weights, self.gate_up, self.down, self.inter, first_expert)
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked plain weights (w_gate_up [E, 2I, H], w_down [E, H, I]) back, bit for bit."""
+        kernel, half = moe_experts(), self.gate_up.shape[1] // 2
+        gate, up = (kernel.unpack_experts(p.contiguous(), self.inter, self.hidden) for p in self.gate_up.split(half, 1))
+        return torch.cat([gate, up], dim=1), kernel.unpack_experts(self.down, self.hidden, self.inter)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, {str(self.down.dtype).removeprefix('torch.')} packed for brgemm"
 
 
 def onednn_available() -> bool:
@@ -99,14 +144,15 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def pack_moe_experts(model: nn.Module, float32: bool = False) -> int:
-    """Prepack the routed experts of every CPU MoE block of `model`: in bfloat16 where oneDNN has bf16 here,
-    in float32 too when `float32` (`--cpu-linear onednn`; see above for why not by default); returns how many
-    blocks."""
+    """Prepack the routed experts of every CPU MoE block of `model` for the native grouped kernel where it runs
+    their dtype; otherwise for oneDNN: in bfloat16 where oneDNN has bf16 here, in float32 too when `float32`
+    (`--cpu-linear onednn`; see above for why not by default). Returns how many blocks."""
     from ecoserve.model.moe import SparseMoeBlock
 
     dtypes = packable_dtypes() if float32 else packable_dtypes() - {torch.float32}
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.w_gate_up.dtype in dtypes
-              and m.w_gate_up.device.type == "cpu" and m.w_gate_up.numel()]
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.w_gate_up.device.type == "cpu"
+              and m.w_gate_up.numel() and (m.w_gate_up.dtype in dtypes or NativeExperts.supports(m.w_gate_up.dtype))]
     for block in blocks:
-        block.pack_experts(PackedExperts(block.w_gate_up.data, block.w_down.data))
+        kind = NativeExperts if NativeExperts.supports(block.w_gate_up.dtype) else PackedExperts
+        block.pack_experts(kind(block.w_gate_up.data, block.w_down.data))
     return len(blocks)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ecoserve import LLM, SamplingParams
 from ecoserve.model.loader import load_model
 from ecoserve.model.moe import ExpertShard, SparseMoeBlock, fused_experts, route
-from ecoserve.model.packed import PackedExperts, onednn_bf16_supported
+from ecoserve.model.packed import NativeExperts, PackedExperts, onednn_bf16_supported
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 from tests.utils import MOE_CONFIGS, hf_logprobs, make_tiny_moe_checkpoint, prompts
 
@@ -89,6 +89,8 @@ def test_packed_experts_equal_the_plain_ones(dtype):
 @pytest.mark.parametrize("dtype, cpu_linear, packed", [("bfloat16", "auto", True), ("bfloat16", "torch", False),
                                                        ("float32", "auto", False), ("float32", "onednn", True)])
 def test_loader_packs_experts_where_cpu_linear_says(tmp_path, dtype, cpu_linear, packed):
+    """Packed for oneDNN as `--cpu-linear` says, and for the native grouped kernel wherever it runs the dtype."""
+    packed = packed or (cpu_linear != "torch" and NativeExperts.supports(getattr(torch, dtype)))
     path = make_tiny_moe_checkpoint(tmp_path / "m", "qwen3_moe")
     block = load_model(str(path), dtype=dtype, cpu_linear=cpu_linear).model.layers[0].mlp
     plain = load_model(str(path), dtype=dtype, cpu_linear="torch").model.layers[0].mlp
