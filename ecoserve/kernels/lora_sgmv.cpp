@@ -20,10 +20,11 @@
 // element type (as torch's bf16 mm does), runs the expand into float32 for its columns, and adds that
 // into y, rounded once (as addmm_ does). Items write disjoint parts of y: no atomics, deterministic.
 //
-// Weights are packed per slot as the micro-kernel reads B: A^T as [in / v, W, v] and B^T as
-// [W / v, out, v], with v = 2 for bfloat16 (VNNI pairs along the reduced dimension) and 1 for float32;
-// W is the slot's padded width, K <= W the width a segment uses (its rank x slices, rounded up to v:
-// the slot is zero past its adapter's rows).
+// Weights are packed per slot as the micro-kernel reads B, with v = 2 for bfloat16 (VNNI pairs along the
+// reduced dimension) and 1 for float32: A^T as [in / v, K, v] at the front of the slot ([in / v, W, v],
+// W the padded width; K <= W the adapter's own width, its rank x slices rounded up to v, so the shrink
+// reads it without stride) and B^T as [W / v, out, v], whose first K / v rows a segment reads (zero past
+// its adapter's rows).
 
 namespace {
 
@@ -111,7 +112,7 @@ void sgmv(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Ten
           for (int64_t i = 0; i < m; ++i) std::copy_n(xp + r[i] * in, in, xs + i * in);
           xa = xs;
         }
-        at::native::cpublas::brgemm(m, k, in, in, W, k, false, xa, ap + slot[s] * a_slot, h, vnni);
+        at::native::cpublas::brgemm(m, k, in, in, k, k, false, xa, ap + slot[s] * a_slot, h, vnni);
         round_row(hs, h, m * k);
         done_block = block;
       }
@@ -125,7 +126,7 @@ void sgmv(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Ten
 
 }  // namespace
 
-// y [T, out] += per segment s: (x[rows_s] @ A_slot(s)^T)[:, :K_s] @ B_slot(s)^T[:K_s], in place.
+// y [T, out] += per segment s: (x[rows_s] @ A_slot(s)^T) @ B_slot(s)^T[:K_s], in place.
 // rows: int64 row indices of all segments one after another; bounds [S + 1] their offsets; slots [S];
 // widths [S] each segment's K (a multiple of v, at most W).
 void lora_sgmv_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,

@@ -143,7 +143,7 @@ class LoRALinear(nn.Module):
         self.out_features = sum(shape.slice_sizes)
         v = 2 if dtype == torch.bfloat16 else 1  # the micro-kernels read bf16 B in pairs along the reduced dimension
         self.sgmv = native_sgmv(dtype, device) if shape.in_features % v == 0 else None
-        if self.sgmv is not None:  # packed as the kernel reads them: A^T [in / v, W, v], B^T [W / v, out, v]
+        if self.sgmv is not None:  # packed as the kernel reads them: A^T [in / v, k, v], B^T [W / v, out, v]
             self.v, self.width = v, -(-n * max_rank // v) * v
             self.register_buffer("lora_a", torch.zeros(num_slots, shape.in_features // v, self.width, v, dtype=dtype,
                                                        device=device), persistent=False)
@@ -181,19 +181,24 @@ class LoRALinear(nn.Module):
 
     def _load_packed(self, slot: int, weights: tuple[torch.Tensor, list[torch.Tensor | None]] | None,
                      rank: int) -> None:
-        """`load_slot` for the native kernel: the slot's A and block-diagonal B^T laid out whole, then packed."""
-        width, v = self.width, self.v
-        a_full = torch.zeros(width, self.lora_a.shape[1] * v, dtype=self.lora_a.dtype)
+        """`load_slot` for the native kernel. A^T is packed at the front of the slot at the adapter's own width k
+        (its slices x rank, rounded up to v: [in / v, k, v], read without stride); B^T block-diagonal over the
+        slices, whose first k rows are what a segment reads."""
+        width, v, in_features = self.width, self.v, self.lora_a.shape[1] * self.v
+        a_slot = self.lora_a[slot].view(-1)
+        a_slot.zero_()
         b_full = torch.zeros(width, self.out_features, dtype=self.lora_bt.dtype)
         self.adapted[slot] = weights is not None
         if weights is not None:
             a, bts = weights
+            k = -(-len(bts) * rank // v) * v
+            a_full = torch.zeros(k, in_features, dtype=self.lora_a.dtype)
             a_full[:len(bts) * rank].copy_(a)
+            a_slot[:in_features * k].view(in_features // v, k, v).copy_(a_full.view(k, -1, v).permute(1, 0, 2))
             for i, bt in enumerate(bts):
                 if bt is not None:
                     o = self.offsets[i]
                     b_full[i * rank:(i + 1) * rank, o:o + self.slice_sizes[i]].copy_(bt)
-        self.lora_a[slot].copy_(a_full.view(width, -1, v).permute(1, 0, 2))
         self.lora_bt[slot].copy_(b_full.view(width // v, v, -1).permute(0, 2, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
