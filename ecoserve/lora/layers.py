@@ -1,13 +1,13 @@
 """Batched heterogeneous LoRA: each wrapped linear adds its rows' `x @ A_slot^T @ B_slot^T` per adapter slot.
 
-Adapters live in a fixed pool of `max_loras` slots per wrapped module (A: [slots, n_slices * max_rank, in],
-B^T block-diagonal over the slices: [slots, n_slices * max_rank, out]), so shapes never change while
-adapters come and go. A step's tokens are grouped by slot (Punica's SGMV idea, on CPU). On a CPU where torch's cpublas
-micro-kernels run the model's dtype (float32 on AVX2 and up; bfloat16 with AMX) every
-module makes one native call for all its segments (`kernels/lora_sgmv.cpp`: a shrink and an expand
-micro-kernel call per block of rows, 1-6 us each where a oneDNN GEMM costs 20-60), its slots packed the way
-those kernels read them. Elsewhere (a GPU, no compiler, no such instructions) each module takes one of two
-torch paths:
+Adapters live in a fixed pool of `max_loras` slots per wrapped module, each padded to `max_lora_rank`, so
+shapes never change while adapters come and go. A step's tokens are grouped by slot into segments
+(Punica's SGMV idea, on CPU). On a CPU where torch's cpublas micro-kernels run the model's dtype (float32
+on AVX2 and up; bfloat16 with AMX) every module makes one native call for all its segments
+(`kernels/lora_sgmv.cpp`: a shrink and an expand micro-kernel call per block of rows, 1-6 us each where a
+oneDNN GEMM costs 20-60), its slots packed the way those kernels read them. Elsewhere (a GPU, no compiler,
+no such instructions) the slots hold A [slots, n_slices * max_rank, in] and B^T block-diagonal over the
+slices [slots, n_slices * max_rank, out], and each module takes one of two torch paths:
 
 - per slot: a shrink and an expand GEMM over the slot's rows, using only the slot's own rank; a slot whose
   rows are one contiguous run is read and updated in place through views, otherwise its rows are gathered
