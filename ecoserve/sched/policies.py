@@ -25,11 +25,9 @@ def _admit_waiting(sched: "Scheduler", step: StepBuilder, whole_prompts: bool) -
     """FCFS admission; stop at the first request that does not fit (no overtaking, except past requests whose
     LoRA adapter has no slot)."""
     while sched.waiting and not step.full():
-        req = sched.waiting[0]
-        if sched.max_loras is not None and sched.lora_blocked(req):
-            req = next((r for r in sched.waiting if not sched.lora_blocked(r)), None)
-            if req is None:
-                break
+        req = sched.next_waiting()
+        if req is None:
+            break
         remaining = req.num_tokens - req.num_computed_tokens
         if whole_prompts and step.chunks and remaining > step.token_budget:
             break  # a prompt is split only when it alone exceeds the budget
@@ -84,7 +82,9 @@ class TemporalDisaggregation(Policy):
                 break
         window = sched.window
         while sched.waiting and not step.full():
-            req = sched.waiting[0]
+            req = sched.next_waiting()
+            if req is None:
+                break
             resumed = req.times.first_scheduled is not None  # preempted: recomputes whenever it can
             if not (resumed or window.may_admit(req.request_id)) or not sched.admit(req, step):
                 break

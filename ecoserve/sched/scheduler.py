@@ -211,6 +211,13 @@ class Scheduler:
         return bool(lora_id) and self.max_loras is not None and lora_id not in self.running_loras and \
             len(self.running_loras) >= self.max_loras
 
+    def next_waiting(self) -> Request | None:
+        """The waiting request to try next: the first in line (FCFS), except that requests whose LoRA adapter
+        has no slot are passed over, so one cannot hold up the requests behind it."""
+        if self.max_loras is None:
+            return self.waiting[0] if self.waiting else None
+        return next((r for r in self.waiting if not self.lora_blocked(r)), None)
+
     def _lora_left(self, req: Request) -> None:
         lora_id = req.lora_id
         if lora_id and self.max_loras is not None:

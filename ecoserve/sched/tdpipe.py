@@ -200,7 +200,9 @@ class TDPipe(Policy):
         peak = sched.config.tdpipe.peak_batch_size
         longest = 0
         while sched.waiting and not step.full():
-            req = sched.waiting[0]
+            req = sched.next_waiting()
+            if req is None:
+                break
             if step.chunks and req.num_tokens - req.num_computed_tokens > step.token_budget:
                 break
             if not sched.admit(req, step):

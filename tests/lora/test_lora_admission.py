@@ -26,7 +26,7 @@ def step(sched):
     return {c.request.request_id for c in out.chunks}
 
 
-@pytest.mark.parametrize("policy", ["chunked", "prefill_first"])
+@pytest.mark.parametrize("policy", ["chunked", "prefill_first", "temporal", "tdpipe"])
 def test_a_request_waits_while_its_adapter_has_no_slot(policy):
     sched = make(policy, max_loras=2)
     for rid, lora in [("a1", A), ("b1", B), ("c1", C), ("base", None), ("a2", A)]:
