@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-from bench_serve_peers import NAME, stop, wait_ready, warm_up
+from bench_serve_peers import NAME, run_client, serving
 
 from ecoserve.bench.adapters import ALL_PROJECTIONS, random_lora_adapter
 from ecoserve.model.default import default_model_dir
@@ -108,8 +106,6 @@ def main() -> int:
     args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    taskset = shutil.which("taskset")
-    pin = (lambda cores, cmd: [taskset, "-c", cores, *cmd]) if taskset else (lambda cores, cmd: cmd)
     adapters = {rank: adapters_for(args.model_dir, out / "adapters", rank, max(COUNTS)) for rank in RANKS}
     rows, port = [], args.port
     for system in args.systems.split(","):
@@ -118,35 +114,26 @@ def main() -> int:
             served = adapters[rank] if rank is not None else {}
             cmd, env = server_command(system, args, port, rank, served)
             label = f"{system}-{'base' if rank is None else f'r{rank}'}"
-            log = open(out / f"server-{label}.log", "w")
-            t0 = time.time()
-            proc = subprocess.Popen(pin(args.server_cores, cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
             try:
-                wait_ready(port, proc, args.ready_timeout)
-                startup = time.time() - t0
-                warm_up(port)
-                for name in served:
-                    warm_adapter(port, name)
-                print(f"{label}: ready in {startup:.1f} s", flush=True)
-                for count in (COUNTS if rank is not None else (0,)):
-                    loras = list(served)[:count]
-                    name = f"{label}-{count}.json"
-                    subprocess.run(pin(args.client_cores, client_command(args, port, out, name, loras)), check=True,
-                                   stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                                   timeout=args.client_timeout)
-                    r = json.loads((out / name).read_text())
-                    rows.append({"system": system, "rank": rank, "adapters": count, "completed": r["completed"],
-                                 "output_throughput": r["output_throughput"], "mean_ttft_ms": r["mean_ttft_ms"],
-                                 "mean_tpot_ms": r["mean_tpot_ms"], "p99_tpot_ms": r.get("p99_tpot_ms"),
-                                 "startup_s": startup})
-                    print(json.dumps(rows[-1]), flush=True)
+                with serving(cmd, env, port, args.server_cores, out / f"server-{label}.log",
+                             args.ready_timeout) as startup:
+                    for name in served:
+                        warm_adapter(port, name)
+                    print(f"{label}: ready in {startup:.1f} s", flush=True)
+                    for count in (COUNTS if rank is not None else (0,)):
+                        loras = list(served)[:count]
+                        name = f"{label}-{count}.json"
+                        run_client(client_command(args, port, out, name, loras), args.client_cores,
+                                   args.client_timeout)
+                        r = json.loads((out / name).read_text())
+                        rows.append({"system": system, "rank": rank, "adapters": count, "completed": r["completed"],
+                                     "output_throughput": r["output_throughput"], "mean_ttft_ms": r["mean_ttft_ms"],
+                                     "mean_tpot_ms": r["mean_tpot_ms"], "p99_tpot_ms": r.get("p99_tpot_ms"),
+                                     "startup_s": startup})
+                        print(json.dumps(rows[-1]), flush=True)
             except (SystemExit, subprocess.SubprocessError, OSError) as e:  # one system failing is a finding
                 print(f"{label}: failed: {e} (see {out}/server-{label}.log)", flush=True)
                 rows.append({"system": system, "rank": rank, "adapters": None, "error": str(e)})
-            finally:
-                stop(proc)
-                log.close()
     base = {r["system"]: r["mean_tpot_ms"] for r in rows if r.get("rank") is None and "mean_tpot_ms" in r}
     print(f"\n{args.num_prompts} requests of {args.input_len} in / {args.output_len} out at {args.request_rate} req/s, "
           f"{args.dtype}, greedy; servers on cores {args.server_cores}, the client on {args.client_cores}")

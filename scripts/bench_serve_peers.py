@@ -15,6 +15,7 @@ writes `serve_peers.json`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -52,6 +53,35 @@ def warm_up(port: int) -> None:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         r.read()
+
+
+def pinned(cores: str, cmd: list[str]) -> list[str]:
+    """`cmd` run on `cores` through taskset, or as it is where taskset is missing."""
+    taskset = shutil.which("taskset")
+    return [taskset, "-c", cores, *cmd] if taskset else cmd
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], env: dict, port: int, cores: str, log_path: Path, ready_timeout: float):
+    """A server started on `cores` (output to `log_path`), ready and warmed up; yields its start-up seconds and
+    stops it on exit, whatever happened."""
+    with open(log_path, "w") as log:
+        started = time.time()
+        proc = subprocess.Popen(pinned(cores, cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            wait_ready(port, proc, ready_timeout)
+            startup = time.time() - started
+            warm_up(port)
+            yield startup
+        finally:
+            stop(proc)
+
+
+def run_client(cmd: list[str], cores: str, timeout: float) -> None:
+    """One benchmark client on `cores`, one thread, within `timeout` seconds."""
+    subprocess.run(pinned(cores, cmd), check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                   timeout=timeout)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -128,35 +158,21 @@ def main() -> int:
     args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    taskset = shutil.which("taskset")
-    pin = (lambda cores, cmd: [taskset, "-c", cores, *cmd]) if taskset else (lambda cores, cmd: cmd)
     rows = []
     for i, system in enumerate(args.systems.split(",")):
         port = args.port + i
         cmd, env = server_command(system, args, port)
-        log = open(out / f"server-{system}.log", "w")
-        t0 = time.time()
-        proc = subprocess.Popen(pin(args.server_cores, cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            wait_ready(port, proc, args.ready_timeout)
-            startup = time.time() - t0
-            warm_up(port)
+        with serving(cmd, env, port, args.server_cores, out / f"server-{system}.log", args.ready_timeout) as startup:
             print(f"{system}: ready in {startup:.1f} s", flush=True)
             for client in args.clients.split(","):
                 name = f"{system}--{client}.json"
-                subprocess.run(pin(args.client_cores, client_command(client, args, port, out, name)), check=True,
-                               stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                               timeout=args.client_timeout)
+                run_client(client_command(client, args, port, out, name), args.client_cores, args.client_timeout)
                 r = json.loads((out / name).read_text())
                 rows.append({"system": system, "client": client, "dtype": args.dtype, "startup_s": startup,
                              "completed": r["completed"], "output_throughput": r["output_throughput"],
                              "mean_ttft_ms": r["mean_ttft_ms"], "mean_tpot_ms": r["mean_tpot_ms"],
                              "p99_tpot_ms": r.get("p99_tpot_ms"), "duration_s": r["duration"]})
                 print(json.dumps(rows[-1]), flush=True)
-        finally:
-            stop(proc)
-            log.close()
     print(f"\n{args.num_prompts} requests of {args.input_len} in / {args.output_len} out at {args.request_rate} req/s, "
           f"{args.dtype}, temperature {args.temperature if args.temperature is not None else 'per client'}; "
           f"servers on cores {args.server_cores}, clients on {args.client_cores}")

@@ -31,3 +31,13 @@ def test_every_server_runs_the_dtype_asked_for(script, tmp_path, dtype):
 def test_the_default_dtype_is_float32(script, tmp_path):
     args = script.parse_args(["--peer-python", "/venv/bin/python", "--model-dir", str(tmp_path)])
     assert args.dtype == "float32"
+
+
+def test_a_server_that_dies_before_it_is_ready_is_reported_and_reaped(script, tmp_path):
+    import sys
+
+    log = tmp_path / "server.log"
+    with pytest.raises(SystemExit, match="exited with 3 before it was ready"):
+        with script.serving([sys.executable, "-c", "import sys; print('bye'); sys.exit(3)"], None, 1, "0", log, 30):
+            pytest.fail("a dead server must not be yielded")
+    assert log.read_text().strip() == "bye"
