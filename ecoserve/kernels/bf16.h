@@ -44,13 +44,6 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) { return c10::BFloat16(f
 template <typename T>
 inline float round_to(float x) { return to_float(from_float<T>(x)); }
 
-// out[i] = in[i] converted, for rows of either element type.
-template <typename To, typename From>
-inline void convert_row(To* __restrict out, const From* __restrict in, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = from_float<To>(to_float(in[i]));
-}
-
 #ifdef ECOSERVE_SIMD
 #if defined(__AVX512F__)
 inline vec vload(const c10::BFloat16* p) {
@@ -94,5 +87,17 @@ inline void vstore(c10::BFloat16* p, vec x) {
 inline vec vround_bf16(vec x) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
 #endif
 #endif
+
+// out[i] = in[i] converted, for rows of either element type (explicit vector loads and stores: the
+// compiler's loops do not vectorize c10::BFloat16; the stores round as the scalar conversion does).
+template <typename To, typename From>
+inline void convert_row(To* __restrict out, const From* __restrict in, int64_t n) {
+  int64_t i = 0;
+#ifdef ECOSERVE_SIMD
+  for (; i + W <= n; i += W) vstore(out + i, vload(in + i));
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) out[j] = from_float<To>(to_float(in[j]));
+}
 
 }  // namespace ecoserve_simd

@@ -47,16 +47,6 @@ inline void add_row(T* __restrict y, const float* __restrict c, int64_t n) {
   for (; j < n; ++j) y[j] = from_float<T>(to_float(y[j]) + c[j]);
 }
 
-// f32 shrink results -> the element type (the rounding torch's bf16 mm applies)
-template <typename T>
-inline void round_row(T* __restrict out, const float* __restrict in, int64_t n) {
-  int64_t j = 0;
-#ifdef ECOSERVE_SIMD
-  for (; j + W <= n; j += W) vstore(out + j, vload(in + j));
-#endif
-  for (; j < n; ++j) out[j] = from_float<T>(in[j]);
-}
-
 // A thread's scratch buffer of at least n elements, kept between calls (value-initialising a fresh
 // vector of bf16 on every call measured a third of the kernel's time).
 inline float* scratch(int64_t floats) {
@@ -113,7 +103,7 @@ void sgmv(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Ten
           xa = xs;
         }
         at::native::cpublas::brgemm(m, k, in, in, k, k, false, xa, ap + slot[s] * a_slot, h, vnni);
-        round_row(hs, h, m * k);
+        convert_row(hs, h, m * k);
         done_block = block;
       }
       at::native::cpublas::brgemm(m, n, k, k, out, n, false, hs, bp + slot[s] * b_slot + col0 * v, c,
