@@ -67,7 +67,7 @@ class LoRAStep:
     num_rows: int = 0  # tokens in the step
     max_rank: int = 0  # the highest rank among the step's slots
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # width per slot -> [rows, slots * width]
-    _native: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (slices, v) -> the kernel's index tensors
+    _native_args: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (slices, v) -> the kernel's indices
 
     def __post_init__(self) -> None:
         self.ready = [0] * self.num_slots
@@ -79,13 +79,13 @@ class LoRAStep:
         self.segments, self.num_rows = segments, num_rows
         self.max_rank = max((seg.rank for seg in segments), default=0)
         self._masks = {}
-        self._native = {}
+        self._native_args = {}
 
     def native_args(self, num_slices: int, v: int, segments: list[Segment] | None = None) -> tuple:
         """(rows, bounds, slots, widths) for `lora_sgmv_`: the segments' rows one after another, their offsets,
         slots and widths (slices x rank rounded up to v); for the step's segments, built once per step."""
         key = (num_slices, v)
-        args = self._native.get(key) if segments is None else None
+        args = self._native_args.get(key) if segments is None else None
         if args is None:
             chosen = self.segments if segments is None else segments
             rows = [torch.arange(seg.rows.start, seg.rows.stop) if isinstance(seg.rows, slice) else seg.rows.cpu()
@@ -96,7 +96,7 @@ class LoRAStep:
             args = (torch.cat(rows), torch.tensor(bounds), torch.tensor([seg.slot for seg in chosen]),
                     torch.tensor([-(-num_slices * seg.rank // v) * v for seg in chosen]))
             if segments is None:
-                self._native[key] = args
+                self._native_args[key] = args
         return args
 
     def mask(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -145,15 +145,12 @@ class LoRALinear(nn.Module):
         self.sgmv = native_sgmv(dtype, device) if shape.in_features % v == 0 else None
         if self.sgmv is not None:  # packed as the kernel reads them: A^T [in / v, k, v], B^T [W / v, out, v]
             self.v, self.width = v, -(-n * max_rank // v) * v
-            self.register_buffer("lora_a", torch.zeros(num_slots, shape.in_features // v, self.width, v, dtype=dtype,
-                                                       device=device), persistent=False)
-            self.register_buffer("lora_bt", torch.zeros(num_slots, self.width // v, self.out_features, v,
-                                                        dtype=dtype, device=device), persistent=False)
+            a_shape = (shape.in_features // v, self.width, v)
+            b_shape = (self.width // v, self.out_features, v)
         else:
-            self.register_buffer("lora_a", torch.zeros(num_slots, n * max_rank, shape.in_features, dtype=dtype,
-                                                       device=device), persistent=False)
-            self.register_buffer("lora_bt", torch.zeros(num_slots, n * max_rank, self.out_features, dtype=dtype,
-                                                        device=device), persistent=False)
+            a_shape, b_shape = (n * max_rank, shape.in_features), (n * max_rank, self.out_features)
+        self.register_buffer("lora_a", torch.zeros(num_slots, *a_shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lora_bt", torch.zeros(num_slots, *b_shape, dtype=dtype, device=device), persistent=False)
         self.adapted = [False] * num_slots  # the slot's adapter adapts this module (else it is skipped)
         self.stack_limit = shape.in_features + self.out_features
         self._stack_key: tuple | None = None  # what `_stack` (A and B of the last stacked slots) was built for
