@@ -25,6 +25,25 @@ from ecoserve.model.packed import NativeExperts, PackedExperts, onednn_available
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def add_layer_args(p: argparse.ArgumentParser, tokens: list[int]) -> None:
+    """The MoE layer's shape and the run's settings, shared with scripts/profile_moe_layer.py."""
+    p.add_argument("--tokens", type=int, nargs="+", default=tokens)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", default=None)
+
+
+def start(args: argparse.Namespace) -> None:
+    """Threads as asked, and the same random weights and routing each run."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+
 def hf_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, w_gate_up, w_down):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -40,19 +59,10 @@ def hf_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, w_
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--intermediate", type=int, default=256)
+    add_layer_args(p, tokens=[1, 4, 16, 64, 256, 1024])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    start(args)
     rows = []
     print(f"{args.experts} experts of {args.intermediate}, hidden {args.hidden}, top-{args.top_k}, "
           f"{torch.get_num_threads()} thread(s)")

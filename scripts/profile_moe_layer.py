@@ -18,6 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench_moe_experts import add_layer_args, start
 from ecoserve.bench.roofline import median_ms
 from ecoserve.model.moe import SparseMoeBlock, route
 from ecoserve.model.packed import NativeExperts, PackedExperts
@@ -48,20 +49,11 @@ def aten_shares(fn, repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256])
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--intermediate", type=int, default=256)
+    add_layer_args(p, tokens=[1, 16, 256])
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--experts-path", nargs="+", default=["onednn", "native"], choices=["native", "onednn", "plain"])
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    start(args)
     dtype = getattr(torch, args.dtype)
     moe = MoESpec(num_experts=args.experts, top_k=args.top_k, intermediate_size=args.intermediate,
                   norm_topk_prob=True, weights_in_model_dtype=True)
