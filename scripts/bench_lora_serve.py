@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 from bench_serve_peers import NAME, run_client, serving
+from bench_serve_peers import server_command as peer_server_command
 
 from ecoserve.bench.adapters import ALL_PROJECTIONS, random_lora_adapter
 from ecoserve.model.default import default_model_dir
@@ -43,20 +43,10 @@ def adapters_for(model_dir: str, root: Path, rank: int, count: int) -> dict[str,
 
 def server_command(system: str, args: argparse.Namespace, port: int, rank: int | None,
                    adapters: dict[str, str]) -> tuple[list[str], dict]:
-    limits = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
-              "--dtype", args.dtype]
-    if rank is not None:
-        limits += ["--enable-lora", "--max-loras", str(max(COUNTS)), "--max-lora-rank", str(rank),
-                   "--max-cpu-loras", str(max(COUNTS)), "--lora-modules",
-                   *(f"{name}={path}" for name, path in adapters.items())]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if system == "vllm":
-        vllm = str(Path(args.peer_python).with_name("vllm"))
-        env.update(VLLM_CPU_OMP_THREADS_BIND=args.server_cores.split(",")[0], VLLM_CPU_KVCACHE_SPACE="4")
-        return [vllm, "serve", args.model_dir, "--served-model-name", NAME, "--port", str(port),
-                "--enforce-eager", *limits], env
-    return [sys.executable, "-m", "ecoserve", "serve", "--model", args.model_dir, "--served-model-name", NAME,
-            "--port", str(port), "--num-threads", "1", *limits], env
+    lora = [] if rank is None else ["--enable-lora", "--max-loras", str(max(COUNTS)), "--max-lora-rank", str(rank),
+                                    "--max-cpu-loras", str(max(COUNTS)), "--lora-modules",
+                                    *(f"{name}={path}" for name, path in adapters.items())]
+    return peer_server_command(system, args, port, lora)
 
 
 def warm_adapter(port: int, name: str) -> None:

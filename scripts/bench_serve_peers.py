@@ -96,9 +96,10 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def server_command(system: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
+def server_command(system: str, args: argparse.Namespace, port: int, extra: list[str] = ()) -> tuple[list[str], dict]:
+    """The server's command line and environment; `extra`: more flags both servers take (vLLM's names)."""
     limits = ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs),
-              "--dtype", args.dtype]
+              "--dtype", args.dtype, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if system == "vllm":
         vllm = str(Path(args.peer_python).with_name("vllm"))
