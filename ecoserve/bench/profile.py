@@ -44,7 +44,7 @@ _OPS = {
 _GEMM_NAMESPACES = ("mkldnn::_linear", "onednn::qlinear", "mkldnn::_mkl_linear")  # prepacked and int8 linears
 # the native kernels' pybind entry points (ecoserve/kernels), as cProfile names them
 _NATIVE = {"paged_decode": ATTENTION, "paged_prefill": ATTENTION, "rms_norm": ELEMENTWISE, "rotary_": ELEMENTWISE,
-           "silu_and_mul": ELEMENTWISE, "quant_linear": GEMM, "dequantize": GEMM}
+           "silu_and_mul": ELEMENTWISE, "quant_linear": GEMM, "dequantize": GEMM, "skinny_linear": GEMM}
 _BUILTIN = re.compile(r"built-in method ((?:\w+\.)*)(\w+)")
 
 

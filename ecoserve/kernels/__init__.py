@@ -15,8 +15,9 @@ The engine works without them: if the compiler or ninja is missing, or ECOSERVE_
 `paged_decode()` and `paged_prefill()` return None and attention falls back to torch SDPA (over
 gathered blocks for decodes), `fused_ops()` returns None and the layers run torch's elementwise
 ops, `quant_matmul()` returns None and quantized layers dequantize with torch, `moe_experts()` returns
-None and MoE layers run one oneDNN (or torch) GEMM pair per active expert, and `lora_sgmv()` returns None
-and LoRA modules run torch GEMMs per adapter slot.
+None and MoE layers run one oneDNN (or torch) GEMM pair per active expert, `lora_sgmv()` returns None
+and LoRA modules run torch GEMMs per adapter slot, and `skinny_linear()` returns None and decode rows go
+through oneDNN's GEMM like any others.
 
 `ECOSERVE_KERNEL_ISA=avx2` (or the `isa` argument of the loaders) builds for a lower instruction set
 than this CPU's, AVX2 + FMA without AVX-512, AVX-VNNI or AMX, into its own folder: tests run the AVX2
@@ -185,6 +186,12 @@ def moe_experts(isa: str | None = None):
     or None. Its GEMMs are PyTorch's oneDNN brgemm micro-kernels, which pick the CPU's matrix unit at run
     time whatever `isa` the surrounding code is built for."""
     return _load("moe_experts", "the per-expert oneDNN GEMMs", exact=True, isa=target_isa(isa))
+
+
+def skinny_linear(isa: str | None = None):
+    """The compiled module with `fit(packed, weight)` (the layout of oneDNN's prepacked weight, or zeros) and
+    `skinny_linear(x, packed, bias, N, NB, V, Kp)` (a few rows times that weight), or None."""
+    return _load("skinny_linear", "oneDNN's GEMM for decode rows", isa=target_isa(isa))
 
 
 def lora_sgmv(isa: str | None = None):

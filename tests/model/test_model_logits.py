@@ -120,7 +120,9 @@ def test_flattened_batch_equals_separate_runs(arch_ckpt):
         hidden = model(torch.tensor(a + b), torch.tensor(list(range(len(a))) + list(range(len(b)))),
                        PerSequenceAttention([len(a), len(b)]))
         both = model.compute_logits(hidden)
-    torch.testing.assert_close(both, torch.cat([our_logits(model, a), our_logits(model, b)]), atol=1e-5, rtol=0)
+    # decode-sized calls (the separate runs' last rows) and larger ones go through different GEMM loops, which
+    # sum in different orders: equal up to float32 reassociation
+    torch.testing.assert_close(both, torch.cat([our_logits(model, a), our_logits(model, b)]), atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_as_accurate_as_hf(arch_ckpt):
