@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ecoserve.kernels import skinny_linear
-from ecoserve.model.packed import SKINNY_MAX_ROWS, pack_weight, packed_linear
+from ecoserve.model.packed import pack_weight, packed_linear
 
 LAYERS = 12
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]
@@ -70,7 +70,7 @@ def main() -> None:
                    "ratio": onednn / native}
             rows_out.append(row)
             print(f"{name:<9} {rows:>4} {onednn:>10.2f} {row['onednn_gbps']:>6.1f} {native:>10.2f} "
-                  f"{row['native_gbps']:>6.1f} {row['ratio']:>13.2f}x  {SKINNY_MAX_ROWS[dtype]}")
+                  f"{row['native_gbps']:>6.1f} {row['ratio']:>13.2f}x  {kernel.max_rows(dtype)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"threads": args.threads, "machine": platform.processor() or platform.machine(),

@@ -9,6 +9,7 @@
 
 #include "bf16.h"
 #include "simd.h"
+#include "stream_rows.h"
 
 // The routed experts of one mixture-of-experts layer in one call: out[t] = sum_j w[t, j] *
 // down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j]. The (token, expert) pairs are sorted by expert
@@ -25,6 +26,10 @@
 // (model/moe.py's `fused_experts`) and so transformers: in bfloat16 the gate and up outputs, SiLU, its
 // product, the down output and its product with the routing weight are each rounded to bf16, and a
 // token's rows are summed in float32 in ascending expert order and rounded once, as its index_add_ does.
+//
+// A tile of at most stream_max_rows rows (decode steps: one row per active expert at batch 1) is a
+// stream of its weight blocks rather than a GEMM: it goes through stream_rows.h's loop, which reads the
+// same packed blocks (both are [Kp / V][BN][V]) with more lines in flight than brgemm at those sizes.
 
 namespace {
 
@@ -86,6 +91,24 @@ void add_row(float* acc, const T* y, int64_t n) {
   for (int64_t j = i; j < n; ++j) acc[j] += to_float(y[j]);
 }
 
+// Whether a tile of m rows is streamed (stream_rows.h) rather than run through brgemm.
+template <typename T>
+bool streamed(int64_t m) {
+#ifdef ECOSERVE_SIMD
+  return m <= stream_max_rows<T>();
+#else
+  return false;
+#endif
+}
+
+// c [m, BN] = a [m, K] (float32 rows of lda, zero in the padding) times one packed block of BN columns
+template <typename T>
+void stream_tile_rows(const T* block, const float* a, int64_t lda, int64_t kp, int64_t m, float* c) {
+#ifdef ECOSERVE_SIMD
+  stream_block<T, is_bf16<T>() ? 2 : 1, BN / W>(block, a, lda, kp, m, c, BN);
+#endif
+}
+
 // The (token, expert) pairs grouped by local expert, in token order within each (a stable counting
 // sort); pairs routed to experts outside [first, first + E) (another rank's) are left out.
 struct Routing {
@@ -140,6 +163,7 @@ void run_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::
   // pass 1: gate and up blocks of each tile, SiLU-and-mul into hidden's rows
   at::parallel_for(0, tiles * NI, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> a(BM * Hp, T(0.f));
+    std::vector<float> af(BM * Hp, 0.f);  // a small tile's rows widened, for the streaming loop
     std::vector<float> cg(BM * BN), cu(BM * BN);
     int64_t gathered = -1;
     for (int64_t i = begin; i < end; ++i) {
@@ -147,12 +171,23 @@ void run_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::
       int64_t e, row;
       const int64_t m = tile_rows(t, e, row);
       if (gathered != t) {  // the tile's rows of x, once for all its column blocks
-        for (int64_t r = 0; r < m; ++r) std::memcpy(&a[r * Hp], xp + (sorted[row + r] / k) * H, H * sizeof(T));
+        for (int64_t r = 0; r < m; ++r) {
+          const T* src = xp + (sorted[row + r] / k) * H;
+          if (streamed<T>(m))
+            for (int64_t h = 0; h < H; ++h) af[r * Hp + h] = to_float(src[h]);
+          else
+            std::memcpy(&a[r * Hp], src, H * sizeof(T));
+        }
         gathered = t;
       }
       const T* b = gup + (e * 2 * NI + nb) * Hp * BN;
-      at::native::cpublas::brgemm(m, BN, Hp, Hp, BN, BN, false, a.data(), b, cg.data(), vnni);
-      at::native::cpublas::brgemm(m, BN, Hp, Hp, BN, BN, false, a.data(), b + NI * Hp * BN, cu.data(), vnni);
+      if (streamed<T>(m)) {
+        stream_tile_rows<T>(b, af.data(), Hp, Hp, m, cg.data());
+        stream_tile_rows<T>(b + NI * Hp * BN, af.data(), Hp, Hp, m, cu.data());
+      } else {
+        at::native::cpublas::brgemm(m, BN, Hp, Hp, BN, BN, false, a.data(), b, cg.data(), vnni);
+        at::native::cpublas::brgemm(m, BN, Hp, Hp, BN, BN, false, a.data(), b + NI * Hp * BN, cu.data(), vnni);
+      }
       const int64_t n = std::min(BN, inter - nb * BN);
       for (int64_t r = 0; r < m; ++r) silu_mul_row<T>(&cg[r * BN], &cu[r * BN], hp + (row + r) * Ip + nb * BN, n);
     }
@@ -163,13 +198,23 @@ void run_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::
 
   // pass 2: down blocks straight from hidden (rows already grouped by expert), scaled into each pair's row
   at::parallel_for(0, tiles * NH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(BM * BN);
+    std::vector<float> c(BM * BN), hf;
+    int64_t widened = -1;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / NH, nb = i % NH;
       int64_t e, row;
       const int64_t m = tile_rows(t, e, row);
       const T* b = dp + (e * NH + nb) * Ip * BN;
-      at::native::cpublas::brgemm(m, BN, Ip, Ip, BN, BN, false, hp + row * Ip, b, c.data(), vnni);
+      if (streamed<T>(m)) {
+        if (widened != t) {  // hidden's rows of the tile (their padding column is zero), once per tile
+          hf.resize(m * Ip);
+          for (int64_t r = 0; r < m * Ip; ++r) hf[r] = to_float(hp[row * Ip + r]);
+          widened = t;
+        }
+        stream_tile_rows<T>(b, hf.data(), Ip, Ip, m, c.data());
+      } else {
+        at::native::cpublas::brgemm(m, BN, Ip, Ip, BN, BN, false, hp + row * Ip, b, c.data(), vnni);
+      }
       const int64_t n = std::min(BN, H - nb * BN);
       for (int64_t r = 0; r < m; ++r) {
         const int64_t pair = sorted[row + r];

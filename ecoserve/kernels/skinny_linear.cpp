@@ -8,6 +8,7 @@
 
 #include "bf16.h"
 #include "simd.h"
+#include "stream_rows.h"
 
 // y = x W^T (+ b) for a few rows of x (decode steps), reading W where oneDNN's prepacked linear
 // (model/packed.py's `pack_weight`) keeps it, so one copy of the weight serves both paths.
@@ -23,9 +24,8 @@
 // is zero. A layout that passes computes exactly W's products whatever oneDNN meant by it; none passing
 // means the caller keeps oneDNN for that layer.
 //
-// Each thread takes whole column blocks; within a block, rows of x go in tiles of MT, so the block is
-// read once from memory and again from L2 per further tile. Products and sums are float32; bfloat16
-// weights are widened exactly (a 16-bit shift); the output is rounded to x's dtype once, after the bias.
+// Each thread takes whole column blocks, each block read by stream_rows.h's `stream_block`. The output is
+// rounded to x's dtype once, after the bias.
 
 namespace at::native {
 TORCH_API void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
@@ -36,14 +36,6 @@ namespace {
 
 using namespace ecoserve_simd;
 
-#ifndef SKINNY_PF
-#define SKINNY_PF 4096
-#endif
-constexpr int64_t PREFETCH_BYTES = SKINNY_PF;  // how far ahead in each weight stream to prefetch
-#ifndef SKINNY_STREAMS
-#define SKINNY_STREAMS 4
-#endif
-constexpr int STREAMS = SKINNY_STREAMS;
 
 template <typename T>
 constexpr bool is_bf16() { return std::is_same_v<T, c10::BFloat16>; }
@@ -70,77 +62,21 @@ bool layout_holds(const Bits* packed, const Bits* w, int64_t n_out, int64_t k_in
 }
 
 #ifdef ECOSERVE_SIMD
-constexpr int ACC_BUDGET = W == 16 ? 16 : 8;  // accumulators a tile may hold in registers
-
-// one block's columns for rows [m0, m0 + MT) of xs (float32 rows of kp, zero-padded). The block's steps
-// of V values of k are read as STREAMS contiguous runs side by side: several sequential streams keep
-// more lines in flight than one (measured 28 against 24 GB/s here), each prefetched ahead.
-template <typename T, int V, int NBV, int MT>
-void block_tile(const T* wb, const float* xs, int64_t kp, int mt, float* acc_out, int64_t acc_stride) {
-  vec acc[MT][NBV];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NBV; ++j) acc[m][j] = vset1(0.f);
-  constexpr int64_t ROW = NBV * W * V;  // weight elements per step of V values of k
-  constexpr int64_t ROW_BYTES = ROW * int64_t(sizeof(T));
-  auto step = [&](int64_t r) {
-    const T* wr = wb + r * ROW;
-    const char* pf = reinterpret_cast<const char*>(wr) + PREFETCH_BYTES;
-    for (int64_t line = 0; line < ROW_BYTES; line += 64) _mm_prefetch(pf + line, _MM_HINT_T0);
-    const int64_t kk = r * V;
-    if constexpr (V == 1) {
-      for (int j = 0; j < NBV; ++j) {
-        const vec w = vload(wr + j * W);
-        for (int m = 0; m < MT; ++m)
-          if (m < mt) acc[m][j] = vfma(w, vset1(xs[m * kp + kk]), acc[m][j]);
-      }
-    } else {  // bfloat16 pairs: lane c holds (k, c) in its low half and (k + 1, c) in its high half
-      for (int j = 0; j < NBV; ++j) {
-#if defined(__AVX512F__)
-        const __m512i raw = _mm512_loadu_si512(wr + j * W * 2);
-        const vec lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-        const vec hi = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int(0xFFFF0000u))));
-#else
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + j * W * 2));
-        const vec lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-        const vec hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int(0xFFFF0000u))));
-#endif
-        for (int m = 0; m < MT; ++m)
-          if (m < mt) {
-            acc[m][j] = vfma(lo, vset1(xs[m * kp + kk]), acc[m][j]);
-            acc[m][j] = vfma(hi, vset1(xs[m * kp + kk + 1]), acc[m][j]);
-          }
-      }
-    }
-  };
-  const int64_t steps = kp / V, run = steps / STREAMS;
-  for (int64_t i = 0; i < run; ++i)
-    for (int s = 0; s < STREAMS; ++s) step(s * run + i);
-  for (int64_t r = run * STREAMS; r < steps; ++r) step(r);
-  for (int m = 0; m < MT; ++m)
-    if (m < mt)
-      for (int j = 0; j < NBV; ++j) vstore(acc_out + m * acc_stride + j * W, acc[m][j]);
-}
-
 template <typename T, int V, int NBV>
 void skinny(const T* w, const float* xs, const float* bias, T* y, int64_t rows, int64_t n_out, int64_t kp) {
   constexpr int NB = NBV * W;
-  constexpr int MT = std::max(1, ACC_BUDGET / NBV);
   const int64_t blocks = (n_out + NB - 1) / NB;
   // serial below ~256 KB of weight: waking the other thread costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (kp * NB * int64_t(sizeof(T))));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float acc[MT * NB];
+    std::vector<float> acc(rows * NB);
     for (int64_t b = b0; b < b1; ++b) {
-      const T* wb = w + b * kp * NB;
       const int64_t n0 = b * NB, cols = std::min<int64_t>(NB, n_out - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += MT) {
-        const int mt = int(std::min<int64_t>(MT, rows - m0));
-        block_tile<T, V, NBV, MT>(wb, xs + m0 * kp, kp, mt, acc, NB);
-        for (int m = 0; m < mt; ++m) {
-          T* out = y + (m0 + m) * n_out + n0;
-          const float* a = acc + m * NB;
-          for (int64_t c = 0; c < cols; ++c) out[c] = from_float<T>(bias ? a[c] + bias[n0 + c] : a[c]);
-        }
+      stream_block<T, V, NBV>(w + b * kp * NB, xs, kp, kp, rows, acc.data(), NB);
+      for (int64_t m = 0; m < rows; ++m) {
+        T* out = y + m * n_out + n0;
+        const float* a = acc.data() + m * NB;
+        for (int64_t c = 0; c < cols; ++c) out[c] = from_float<T>(bias ? a[c] + bias[n0 + c] : a[c]);
       }
     }
   });
@@ -237,7 +173,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return y;
 }
 
+// The most rows the streaming loop takes in `dtype` before a GEMM's blocking wins (stream_rows.h).
+int64_t max_rows(c10::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? stream_max_rows<c10::BFloat16>() : stream_max_rows<float>();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("max_rows", &max_rows, "the most rows of x the loop is meant for, in dtype");
   m.def("fit", &fit, "the packed weight's layout as (NB, V, Kp), or (0, 0, 0)");
   m.def("skinny_linear", &skinny_linear, "x W^T (+ b) for a few rows, on oneDNN's packed W");
 }

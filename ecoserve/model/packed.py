@@ -15,8 +15,8 @@ groups (1-8 tokens per expert) and 1.14x at prefill-sized ones. Where the native
 float32 anywhere), the experts are packed for it instead (`NativeExperts`): one call per layer, not two
 oneDNN calls of ~100 us fixed cost per active expert.
 
-Decode-sized calls (at most `SKINNY_MAX_ROWS[dtype]` rows) read the same packed weight through the native
-loop of kernels/skinny_linear.cpp, which streams it 1.3-1.4x faster than oneDNN's GEMM at one to four
+Decode-sized calls (at most the kernel's `max_rows(dtype)`: 16 in float32, 4 in bfloat16) read the same packed
+weight through the native loop of kernels/skinny_linear.cpp, which streams it 1.3-1.4x faster than oneDNN's GEMM at one to four
 rows on an AMX Xeon; it first checks, element by element, that it reads oneDNN's layout as the weight, and
 a layer whose layout it does not recognise stays on oneDNN at every size.
 """
@@ -29,8 +29,6 @@ from ecoserve.kernels import moe_experts, skinny_linear
 from ecoserve.model.moe import fused_experts
 
 _PACK_BATCH_HINT = 128  # the batch size oneDNN's reorder tunes the layout for; any batch runs
-# the most rows the native loop takes; above, oneDNN's GEMM is as fast or faster (measured, 1 and 2 threads)
-SKINNY_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -53,10 +51,10 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.skinny_rows, self.skinny_layout = 0, None  # decode rows through the native loop: how many, its layout
         kernel = skinny_linear()
-        if kernel is not None and weight.dtype in SKINNY_MAX_ROWS:
+        if kernel is not None and weight.dtype in (torch.float32, torch.bfloat16):
             layout = kernel.fit(self.packed, weight.detach().contiguous())
-            if layout[0]:
-                self.skinny_rows, self.skinny_layout = SKINNY_MAX_ROWS[weight.dtype], layout
+            if layout[0]:  # above max_rows oneDNN's GEMM is as fast or faster
+                self.skinny_rows, self.skinny_layout = kernel.max_rows(weight.dtype), layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.skinny_rows:

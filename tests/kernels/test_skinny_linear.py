@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ecoserve import kernels
 from ecoserve.model import packed as packed_module
-from ecoserve.model.packed import SKINNY_MAX_ROWS, PackedLinear, onednn_available, pack_weight, packable_dtypes
+from ecoserve.model.packed import PackedLinear, onednn_available, pack_weight, packable_dtypes
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
@@ -106,17 +106,18 @@ def test_bad_layouts_and_inputs_are_errors():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_takes_decode_rows_through_the_loop_and_more_through_onednn(dtype, monkeypatch):
-    kernel("native", dtype)
+    most = kernel("native", dtype).max_rows(dtype)
+    assert most == {torch.float32: 16, torch.bfloat16: 4}[dtype]
     w, b = layer(200, 96, dtype)
     lin = PackedLinear(w, b)
-    assert lin.skinny_layout is not None and lin.skinny_rows == SKINNY_MAX_ROWS[dtype]
+    assert lin.skinny_layout is not None and lin.skinny_rows == most
     onednn = []
     real = packed_module.packed_linear
     monkeypatch.setattr(packed_module, "packed_linear", lambda *a: onednn.append(a[0].shape[0]) or real(*a))
-    for rows in (1, SKINNY_MAX_ROWS[dtype], SKINNY_MAX_ROWS[dtype] + 1, 64):
+    for rows in (1, most, most + 1, 64):
         x = torch.randn(rows, 96).to(dtype)
         assert_close(lin(x), x, w, b)
-    assert onednn == [SKINNY_MAX_ROWS[dtype] + 1, 64]
+    assert onednn == [most + 1, 64]
 
 
 def test_a_layout_not_recognised_keeps_onednn_at_every_size(monkeypatch):
@@ -124,7 +125,7 @@ def test_a_layout_not_recognised_keeps_onednn_at_every_size(monkeypatch):
 
     class Unfit:
         fit = staticmethod(lambda packed, weight: (0, 0, 0))
-        skinny_linear = module.skinny_linear
+        skinny_linear, max_rows = module.skinny_linear, module.max_rows
 
     monkeypatch.setattr(packed_module, "skinny_linear", lambda: Unfit)
     w, b = layer(64, 32, torch.float32)
