@@ -84,6 +84,18 @@ void rms_rows(const torch::Tensor& x, const torch::Tensor& weight, torch::Tensor
   });
 }
 
+// Each head's row of x [T, H, D] (contiguous heads, rows strided) normalised in place as rms_rows does.
+template <typename T>
+void rms_heads(torch::Tensor& x, const torch::Tensor& weight, float eps) {
+  const int64_t tokens = x.size(0), H = x.size(1), D = x.size(2), row = x.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, tokens, grain(H * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < H; ++h) rms_row(xp + t * row + h * D, wp, xp + t * row + h * D, D, eps);
+  });
+}
+
 // The half-split rotation in place: x1 cos - x2 sin, x2 cos + x1 sin, each product and sum a torch op.
 template <typename T>
 void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -148,6 +160,19 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// In place on x [T, H, D] (rows may be strided, e.g. q or k inside the fused qkv output): each head
+// normalised as rms_norm normalises a row, with one weight [D] for all heads (Qwen3's q and k norms).
+torch::Tensor head_rms_norm_(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(is_supported(x) && weight.dtype() == x.dtype(), "head_rms_norm_: float32 or bfloat16 x and weight "
+              "alike, got ", x.dtype(), " and ", weight.dtype());
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "head_rms_norm_: x must be [T, H, D] "
+              "with contiguous heads");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(2), "head_rms_norm_: the weight must be [D]");
+  if (x.dtype() == torch::kBFloat16) rms_heads<c10::BFloat16>(x, weight, static_cast<float>(eps));
+  else rms_heads<float>(x, weight, static_cast<float>(eps));
+  return x;
+}
+
 // In place on x [T, H, D] (rows may be strided, e.g. q or k inside the fused qkv output): the
 // half-split rotation (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D/2] (or [T, 1, D/2]), all
 // float32 or all bfloat16.
@@ -179,6 +204,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
+  m.def("head_rms_norm_", &head_rms_norm_, "each head of x [T, H, D] RMS-normalised in place");
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
 }

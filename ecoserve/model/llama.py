@@ -43,9 +43,13 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        rotary_native = self.q_norm is None and qkv.is_contiguous() and cos.dtype == qkv.dtype
-        native = native_for(qkv) if rotary_native else None
-        if native is not None:  # q and k side by side in each row: one in-place pass rotates both
+        native = native_for(qkv) if qkv.is_contiguous() and cos.dtype == qkv.dtype else None
+        if native is not None and self.q_norm is not None and self.q_norm.weight.dtype != qkv.dtype:
+            native = None
+        if native is not None:  # q and k side by side in each row: in-place passes normalise and rotate both
+            if self.q_norm is not None:
+                native.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
+                native.head_rms_norm_(k, self.k_norm.weight, self.k_norm.eps)
             native.rotary_(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
         else:
             if self.q_norm is not None:

@@ -38,6 +38,31 @@ def test_rotary_in_place_on_the_qkv_output_is_bit_equal():
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_head_norm_in_place_on_the_qkv_output_equals_rms_norm_per_head(dtype, threads, torch_threads):
+    """Qwen3's q and k norms inside the fused qkv output: each head's row gets the same bits as rms_norm
+    gives that row alone (itself checked against torch and HF above and in test_kernels_bf16.py); the other
+    part of the row and v are untouched."""
+    torch_threads(threads)
+    torch.manual_seed(2)
+    T, H, Hkv, D = 33, 6, 2, 64
+    qkv = (torch.randn(T, (H + 2 * Hkv) * D) * 3).to(dtype)
+    wq, wk = torch.randn(D).to(dtype), torch.randn(D).to(dtype)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    ref_q = native.rms_norm(q.reshape(T * H, D).contiguous(), wq, 1e-6).view(T, H * D)
+    k_before, v_before = k.clone(), v.clone()
+    native.head_rms_norm_(q.view(T, H, D), wq, 1e-6)
+    assert torch.equal(q, ref_q) and torch.equal(k, k_before) and torch.equal(v, v_before)
+    native.head_rms_norm_(k.view(T, Hkv, D), wk, 1e-6)
+    assert torch.equal(k, native.rms_norm(k_before.reshape(T * Hkv, D).contiguous(), wk, 1e-6).view(T, Hkv * D))
+    assert torch.equal(v, v_before)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        native.head_rms_norm_(torch.randn(3, 8, 2).to(dtype).transpose(1, 2), wq[:8], 1e-6)
+    with pytest.raises(RuntimeError, match="must be \\[D\\]"):
+        native.head_rms_norm_(torch.randn(3, 2, 8).to(dtype), wq, 1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 2048])
 def test_silu_and_mul(rows):
     torch.manual_seed(rows)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ecoserve.engine.sampler import (Sampler, SamplingRow, apply_logit_bias, apply_min_tokens, apply_penalties,
-                                     apply_truncation, draw_seed)
+                                     apply_truncation, argmax_rows, draw_seed)
 from ecoserve.request import Logprobs, Request
 
 
@@ -94,7 +94,7 @@ def verify(logits: torch.Tensor, proposals: list[int], draft_probs: torch.Tensor
     processed = target_logits(logits, rows)
     params = rows[0].params
     if params.greedy:
-        best = processed.argmax(dim=-1).tolist()
+        best = argmax_rows(processed).tolist()
         accepted = 0
         while accepted < k and proposals[accepted] == best[accepted]:
             accepted += 1
