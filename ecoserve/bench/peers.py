@@ -54,8 +54,15 @@ startup = time.perf_counter() - t0
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work["output_lens"]]
 t0, cpu0 = time.perf_counter(), time.process_time()
 outs = llm.generate([{"prompt_token_ids": p} for p in work["prompts"]], params, use_tqdm=False)
-print(json.dumps({"elapsed_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "startup_s": startup,
-                  "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+figures = {"elapsed_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "startup_s": startup,
+           "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+if work.get("profile"):  # the same work again (ids shifted: no prefix-cache hits) under torch.profiler
+    from torch.profiler import ProfilerActivity, profile
+    shifted = [{"prompt_token_ids": [(t + 1) % work["vocab"] for t in p]} for p in work["prompts"]]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(shifted, params, use_tqdm=False)
+    figures["op_seconds"] = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+print(json.dumps(figures))
 """
 
 
@@ -88,11 +95,14 @@ def llama_cpp_decode(python: str, gguf_path: Path, prompt_ids: list[int], output
 
 
 def vllm_generate(python: str, model_dir: Path, prompts: list[list[int]], output_lens: list[int], num_threads: int,
-                  max_num_batched_tokens: int, max_num_seqs: int, dtype: str, timeout_s: float = 1800) -> dict:
+                  max_num_batched_tokens: int, max_num_seqs: int, dtype: str, timeout_s: float = 1800,
+                  profile_vocab: int | None = None) -> dict:
     """vLLM's offline run of the requests in `dtype` (float32, bfloat16): elapsed_s, cpu_s, startup_s and
-    output_tokens."""
+    output_tokens; with `profile_vocab` (the model's vocabulary size), also op_seconds: the self seconds of each
+    op of a second, profiled pass of the same work (token ids shifted by one within the vocabulary)."""
     work = {"prompts": prompts, "output_lens": output_lens, "max_num_batched_tokens": max_num_batched_tokens,
-            "max_num_seqs": max_num_seqs, "dtype": dtype,
+            "max_num_seqs": max_num_seqs, "dtype": dtype, "profile": profile_vocab is not None,
+            "vocab": profile_vocab,
             "max_model_len": max(len(p) + n for p, n in zip(prompts, output_lens)) + 16}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(num_threads, 1) - 1}",
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}

@@ -46,6 +46,12 @@ _GEMM_NAMESPACES = ("mkldnn::_linear", "onednn::qlinear", "mkldnn::_mkl_linear")
 _NATIVE = {"paged_decode": ATTENTION, "paged_prefill": ATTENTION, "rms_norm": ELEMENTWISE, "rotary_": ELEMENTWISE,
            "silu_and_mul": ELEMENTWISE, "quant_linear": GEMM, "dequantize": GEMM, "skinny_linear": GEMM}
 _BUILTIN = re.compile(r"built-in method ((?:\w+\.)*)(\w+)")
+# vLLM's CPU build (`--compare vllm --profile`): its custom ops, and the self time of the inductor-compiled graph
+# of everything else in its forward (norms, rotary, SiLU-mul and residual adds fused by torch.compile)
+_PEER_OPS = {"_C::onednn_mm": GEMM, "_C::onednn_scaled_mm": GEMM, "_C::cpu_attention_with_kv_cache": ATTENTION,
+             "_C::cpu_attn_reshape_and_cache": ATTENTION, "vllm::unified_attention_with_output": ATTENTION,
+             "vllm::unified_kv_cache_update": ATTENTION, "_C::greedy_argmax": SAMPLING}
+_COMPILED_GRAPH = "## Call CompiledFxGraph"
 
 
 def op_category(op: str) -> str:
@@ -54,6 +60,10 @@ def op_category(op: str) -> str:
         return GEMM
     if op.startswith("ecoserve::"):  # a native kernel registered as a dispatcher op
         return _NATIVE.get(op.removeprefix("ecoserve::"), REST)
+    if op in _PEER_OPS:
+        return _PEER_OPS[op]
+    if op.startswith(_COMPILED_GRAPH):
+        return ELEMENTWISE
     return next((c for c, names in _OPS.items() if op in names), REST)
 
 
@@ -123,6 +133,21 @@ def side_by_side(breakdowns: list[Breakdown]) -> str:
     lines.append(f"  {'run (un-profiled wall time)':<44}" + "".join(f"{f'{b.elapsed_s:.2f} s':>{width}}"
                                                                       for b in breakdowns))
     return "\n".join(lines + [b.summary() for b in breakdowns])
+
+
+def peer_breakdown(label: str, elapsed_s: float, op_seconds: dict[str, float], top: int = 8) -> tuple[dict, str]:
+    """A peer's profiled pass (self seconds per op) by category, against its un-profiled wall time as ours is
+    (what no op accounts for is the rest), and its top ops: the JSON entry and the printed table."""
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    for op, s in op_seconds.items():
+        seconds[op_category(op)] += s
+    seconds[REST] = max(elapsed_s - sum(v for c, v in seconds.items() if c != REST), 0.0)
+    lines = [f"where the time goes: {label} (torch.profiler self time of a second pass; the rest: its un-profiled "
+             f"wall time {elapsed_s:.2f} s less the ops)"]
+    lines += [f"  {c:<44}{seconds[c]:>8.2f} s {100 * seconds[c] / max(elapsed_s, 1e-9):>3.0f}%" for c in CATEGORIES]
+    ranked = sorted(op_seconds.items(), key=lambda kv: -kv[1])[:top]
+    lines += ["  top ops: " + ", ".join(f"{op} {s:.2f} s" for op, s in ranked)]
+    return {"seconds": seconds, "top_ops": dict(ranked)}, "\n".join(lines)
 
 
 def op_seconds(run: Callable[[], object]) -> dict[str, float]:

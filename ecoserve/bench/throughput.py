@@ -73,6 +73,7 @@ class Figures:
     dtype: str | None = None  # the precision the system ran in (ours resolved from --dtype)
     num_threads: int | None = None
     profile: Breakdown | None = field(default=None, repr=False)
+    peer_profile: dict | None = field(default=None, repr=False)  # a peer's --profile: seconds by category, top ops
 
     @property
     def label(self) -> str:
@@ -253,21 +254,28 @@ def run_hf(model: str, wl: Workload, args: argparse.Namespace, dtype: str) -> Fi
     return figures
 
 
-def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str) -> Figures:
-    """vLLM's CPU build on the same requests, scheduler limits and dtype (a GGUF model: its cached HF conversion)."""
+def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str, vocab: int) -> Figures:
+    """vLLM's CPU build on the same requests, scheduler limits and dtype (a GGUF model: its cached HF conversion);
+    with --profile, a profiled pass of the same work after it (ids shifted within `vocab`)."""
     from ecoserve.bench import peers
     from ecoserve.model.loader import resolve_model_path
 
     threads = args.num_threads or os.cpu_count() or 1
     try:
         out = peers.vllm_generate(args.peer_python, resolve_model_path(model), wl.prompts, wl.output_lens, threads,
-                                  args.max_num_batched_tokens, args.max_num_seqs, dtype)
+                                  args.max_num_batched_tokens, args.max_num_seqs, dtype,
+                                  profile_vocab=vocab if args.profile else None)
     except peers.PeerUnavailable as e:
         raise SystemExit(f"--compare vllm: {e}") from None
     if out["output_tokens"] != wl.num_output_tokens:
         raise SystemExit(f"--compare vllm: vLLM produced {out['output_tokens']} tokens, not {wl.num_output_tokens}")
     figures = _figures("vllm-cpu", wl, out["elapsed_s"], out["startup_s"])
     figures.cpu_s, figures.dtype, figures.num_threads = out["cpu_s"], dtype, threads
+    if args.profile:
+        from ecoserve.bench.profile import peer_breakdown
+
+        figures.peer_profile, table = peer_breakdown(figures.label, figures.elapsed_s, out["op_seconds"])
+        print(table)
     return figures
 
 
@@ -412,7 +420,7 @@ def run_model(model: str, args: argparse.Namespace, dtypes: list[str]) -> dict:
         if args.compare == "hf":
             results.append(run_hf(model, wl, args, dtype))
         elif args.compare == "vllm":
-            results.append(run_vllm(model, wl, args, dtype))
+            results.append(run_vllm(model, wl, args, dtype, vocab))
     ceilings = {(r.dtype, r.num_threads): roofline.measure(r.dtype, r.num_threads or torch.get_num_threads())
                 for r in results}
     if config:

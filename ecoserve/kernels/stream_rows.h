@@ -26,9 +26,10 @@ constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead in each run of the bl
 constexpr int STREAMS = 4;                // runs of a block read side by side (2: 26.5, 4: 28-29, 8: 27-29 GB/s)
 
 // The most rows worth streaming: above, a GEMM micro-kernel's register blocking wins (measured on the
-// 125M model's shapes at 1 and 2 threads: float32 ahead up to 16 rows, bfloat16's widening up to 4).
+// 125M model's shapes at 1 and 2 threads against oneDNN: float32 1.12-1.16x at 8 rows and 0.95x at 16,
+// bfloat16, whose pairs are widened, 1.07-1.09x at 4 and 0.85x at 8).
 template <typename T>
-constexpr int64_t stream_max_rows() { return std::is_same_v<T, float> ? 16 : 4; }
+constexpr int64_t stream_max_rows() { return std::is_same_v<T, float> ? 8 : 4; }
 
 #ifdef ECOSERVE_SIMD
 constexpr int STREAM_ACC_BUDGET = W == 16 ? 16 : 8;  // accumulators a tile may hold in registers

