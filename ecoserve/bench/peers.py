@@ -9,12 +9,16 @@ vLLM's CPU build (`ecoserve bench throughput --compare vllm`): the same requests
 output lengths, greedy, ignore_eos), scheduler limits and dtype (the one our run resolved, passed
 explicitly so `auto` cannot resolve differently) through its offline `LLM.generate`, with
 its engine core in the calling process (so its process CPU time is counted) and its OpenMP threads
-bound to the first `num_threads` cores.
+bound to the first `num_threads` cores. Under `--quantization w8a8` vLLM reads the same int8 weights
+from a compressed-tensors checkpoint written once beside the model (`vllm_w8a8_checkpoint`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -110,3 +114,61 @@ def vllm_generate(python: str, model_dir: Path, prompts: list[list[int]], output
         json.dump(work, f)
         f.flush()
         return _run("vLLM", python, _VLLM_SCRIPT, [str(model_dir), f.name], timeout_s, env)
+
+
+# the decoder layers' linear weights of the Llama family, as HF names them
+_LINEAR_WEIGHT = re.compile(r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# compressed-tensors' description of W8A8 int8 (what llm-compressor writes for a dynamic per-token scheme)
+_W8A8_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+                    "group_size": None, "block_structure": None},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+                              "group_size": None, "block_structure": None}}},
+}
+
+
+def vllm_w8a8_checkpoint(model_dir: Path) -> Path:
+    """The model as vLLM loads W8A8 int8 (compressed-tensors: int8 weights and one float32 scale per output
+    channel; activations rounded per token at run time), its decoder linears rounded by the function
+    `--quantization w8a8` uses, so both engines multiply the same integers. The LM head stays float in vLLM's
+    copy (compressed-tensors quantizes Linear layers only); ours rounds it too. Written once per model
+    directory and weights, under the cache root (`vllm-w8a8/`)."""
+    from safetensors.torch import load_file, save_file
+
+    from ecoserve.cache_dir import cache_root
+    from ecoserve.model.w8a8 import quantize_per_channel
+
+    model_dir = Path(model_dir).resolve()
+    shards = sorted(model_dir.glob("*.safetensors"))
+    # one copy per model directory and weights (a rewritten checkpoint gets a new one)
+    key = hashlib.sha1(json.dumps([str(model_dir)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns]
+                                                      for f in shards]).encode()).hexdigest()[:12]
+    dst = cache_root() / "vllm-w8a8" / f"{model_dir.name}-{key}"
+    if (dst / "model.safetensors").exists():
+        return dst
+    tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(model_dir, tmp, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    out, quantized = {}, 0
+    for shard in shards:
+        for name, tensor in load_file(shard).items():
+            if _LINEAR_WEIGHT.search(name):
+                out[name], scale = quantize_per_channel(tensor)
+                out[name.removesuffix("weight") + "weight_scale"] = scale[:, None].contiguous()
+                quantized += 1
+            else:
+                out[name] = tensor.contiguous()
+    if not quantized:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PeerUnavailable(f"{model_dir} has no Llama-family decoder linears to write as W8A8 for vLLM")
+    save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp / "config.json").read_text())
+    config["quantization_config"] = _W8A8_CONFIG
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(dst)  # whole or not at all: a killed write leaves only the temporary folder
+    return dst

@@ -262,7 +262,10 @@ def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str, voc
 
     threads = args.num_threads or os.cpu_count() or 1
     try:
-        out = peers.vllm_generate(args.peer_python, resolve_model_path(model), wl.prompts, wl.output_lens, threads,
+        path = resolve_model_path(model)
+        if args.quantization == "w8a8":  # vLLM at the same precision: the same int8 weights, its W8A8 kernels
+            path = peers.vllm_w8a8_checkpoint(path)
+        out = peers.vllm_generate(args.peer_python, path, wl.prompts, wl.output_lens, threads,
                                   args.max_num_batched_tokens, args.max_num_seqs, dtype,
                                   profile_vocab=vocab if args.profile else None)
     except peers.PeerUnavailable as e:

@@ -28,8 +28,8 @@
 // token's rows are summed in float32 in ascending expert order and rounded once, as its index_add_ does.
 //
 // A tile of at most stream_max_rows rows (decode steps: one row per active expert at batch 1) is a
-// stream of its weight blocks rather than a GEMM: it goes through stream_rows.h's loop, which reads the
-// same packed blocks (both are [Kp / V][BN][V]) with more lines in flight than brgemm at those sizes.
+// stream of its weight blocks rather than a GEMM: it goes through stream_rows.h's loop, the dense decode
+// linears' (the packed blocks here have its layout, [Kp / V][BN][V]).
 
 namespace {
 

@@ -2,8 +2,6 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -13,9 +11,9 @@
 // y = x W^T (+ b) for a few rows of x (decode steps), reading W where oneDNN's prepacked linear
 // (model/packed.py's `pack_weight`) keeps it, so one copy of the weight serves both paths.
 //
-// Why: at decode sizes a linear is a stream of its weight. oneDNN's GEMM on these shapes reached 19-23
-// GB/s of weight at one to four rows on a 2-vCPU Xeon (AMX), and its traffic left the step's other ops
-// slower too; this loop streams the same bytes at 28 GB/s with a software prefetch one step ahead.
+// Why: at decode sizes a linear is a stream of its weight. oneDNN's GEMM on these shapes streamed 19-21
+// GB/s of weight at one to four rows on a 2-vCPU Xeon (AMX); stream_rows.h's loop reads the same bytes at
+// 23-28 GB/s (scripts/bench_skinny_linear.py).
 //
 // The layout is oneDNN's, recognised rather than assumed: `fit` tries the blocked layouts oneDNN uses
 // for a linear's weight (blocks of NB output columns, each [Kp/V][NB][V]: K padded to Kp, V = 1 for
@@ -36,16 +34,12 @@ namespace {
 
 using namespace ecoserve_simd;
 
-
-template <typename T>
-constexpr bool is_bf16() { return std::is_same_v<T, c10::BFloat16>; }
-
 struct Layout {
   int64_t nb = 0, v = 0, kp = 0;  // columns per block, K values per pair, padded K
-  bool valid() const { return nb > 0; }
 };
 
-template <typename T, typename Bits>
+// Every element of W at its place in the layout, bit for bit, and zero in the padding.
+template <typename Bits>
 bool layout_holds(const Bits* packed, const Bits* w, int64_t n_out, int64_t k_in, const Layout& l) {
   const int64_t blocks = (n_out + l.nb - 1) / l.nb, block_size = l.kp * l.nb;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -125,10 +119,10 @@ std::tuple<int64_t, int64_t, int64_t> fit(const at::Tensor& packed, const at::Te
       const Layout l{nb, v, elements / (blocks * nb)};
       if (l.kp < k_in || l.kp % v) continue;
       const bool holds = dtype == at::kFloat
-          ? layout_holds<float>(static_cast<const uint32_t*>(raw), static_cast<const uint32_t*>(weight.data_ptr()),
-                                n_out, k_in, l)
-          : layout_holds<c10::BFloat16>(static_cast<const uint16_t*>(raw),
-                                        static_cast<const uint16_t*>(weight.data_ptr()), n_out, k_in, l);
+          ? layout_holds(static_cast<const uint32_t*>(raw), static_cast<const uint32_t*>(weight.data_ptr()), n_out,
+                         k_in, l)
+          : layout_holds(static_cast<const uint16_t*>(raw), static_cast<const uint16_t*>(weight.data_ptr()), n_out,
+                         k_in, l);
       if (holds) return {l.nb, l.v, l.kp};
     }
   return {0, 0, 0};

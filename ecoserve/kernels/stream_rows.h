@@ -6,8 +6,8 @@
 //
 // Why not a GEMM micro-kernel: at a few rows the block is read once and used a few times, so the time is
 // the memory stream. Reading the block as STREAMS sequential runs side by side, each prefetched 4 KiB
-// ahead, kept more lines in flight than one run: 28-29 against 22-24 GB/s of weight for the 125M model's
-// decode step on the 2-vCPU AMX Xeon, where oneDNN's GEMM streamed 18-22 (scripts/bench_skinny_linear.py).
+// ahead, kept more lines in flight than one run: 28-29 against 22-24 GB/s of float32 weight for the 125M
+// model's decode step on the 2-vCPU AMX Xeon, where oneDNN's GEMM streams 20-21 (scripts/bench_skinny_linear.py).
 // Rows go in tiles of MT (as many accumulators as the registers hold), so a block is read once from memory
 // and again from L2 per further tile. Products and sums are float32; bf16 weights are widened exactly (a
 // 16-bit shift), so a CPU without bf16 instructions runs it too.

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from ecoserve.bench import peers, throughput
 from ecoserve.bench.profile import ATTENTION, CATEGORIES, ELEMENTWISE, GEMM, REST, SAMPLING, peer_breakdown
@@ -184,3 +185,32 @@ def test_random_moe_against_dense_in_one_command(tmp_path, monkeypatch, capsys):
         dense["results"][0]["achieved_gflops"] * dense["results"][0]["elapsed_s"], rel=0.05)
     key = "ecoserve float32: qwen3-moe-520m-a125m / qwen3-125m output throughput"
     assert report["ratios"][key] > 0 and key in capsys.readouterr().out
+
+
+def test_w8a8_gives_vllm_the_same_int8_weights_once(tmp_path, monkeypatch):
+    """`--quantization w8a8 --compare vllm`: vLLM reads a compressed-tensors copy whose decoder linears are the
+    integers and scales ours computes; everything else is the float checkpoint's; written once."""
+    from safetensors.torch import load_file
+
+    from ecoserve.model.w8a8 import quantize_per_channel
+
+    monkeypatch.setenv("ECOSERVE_CACHE", str(tmp_path / "cache"))
+    model = make_tiny_checkpoint(tmp_path / "ckpt", "llama")
+    path = peers.vllm_w8a8_checkpoint(model)
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert peers.vllm_w8a8_checkpoint(model) == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    ours, theirs = load_file(model / "model.safetensors"), load_file(path / "model.safetensors")
+    linears = [n for n in ours if n.endswith("_proj.weight")]
+    assert len(linears) == 7 * 2  # q, k, v, o, gate, up, down in each of the tiny model's two layers
+    for name in linears:
+        q, scale = quantize_per_channel(ours[name])
+        assert theirs[name].dtype == torch.int8 and torch.equal(theirs[name], q)
+        assert torch.equal(theirs[name.removesuffix("weight") + "weight_scale"], scale[:, None])
+    for name in set(ours) - set(linears):
+        assert torch.equal(theirs[name], ours[name])
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "int-quantized"
+    with pytest.raises(peers.PeerUnavailable, match="no Llama-family decoder linears"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "config.json").write_text("{}")
+        peers.vllm_w8a8_checkpoint(tmp_path / "empty")
