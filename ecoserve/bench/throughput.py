@@ -71,13 +71,14 @@ class Figures:
     achieved_gflops: float | None = None
     cpu_s: float | None = None  # process CPU time of the run (robust to a shared machine)
     dtype: str | None = None  # the precision the system ran in (ours resolved from --dtype)
+    weights: str | None = None  # quantized weights (--quantization), None for float ones
     num_threads: int | None = None
     profile: Breakdown | None = field(default=None, repr=False)
     peer_profile: dict | None = field(default=None, repr=False)  # a peer's --profile: seconds by category, top ops
 
     @property
     def label(self) -> str:
-        return f"{self.system} {self.dtype}" if self.dtype else self.system
+        return " ".join(part for part in (self.system, self.weights, self.dtype) if part)
 
     def to_dict(self) -> dict:
         out = asdict(replace(self, profile=None))
@@ -200,6 +201,7 @@ def run_ecoserve(model: str, wl: Workload, args: argparse.Namespace, setup: Engi
         name = "ecoserve" if not args.configs else f"ecoserve {setup.name}"
         figures = _figures(name, wl, elapsed, startup)
         figures.dtype, figures.num_threads = resolved, threads
+        figures.weights = engine.quantization if engine.quantization not in (None, "none") else None
         if args.profile:
             figures.profile = _profile(llm, run, wl, figures, config, spec.vocab_size)
     finally:
@@ -262,9 +264,11 @@ def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str, voc
 
     threads = args.num_threads or os.cpu_count() or 1
     try:
-        path = resolve_model_path(model)
-        if args.quantization == "w8a8":  # vLLM at the same precision: the same int8 weights, its W8A8 kernels
-            path = peers.vllm_w8a8_checkpoint(path)
+        path, weights = resolve_model_path(model), None
+        if args.quantization == "w8a8":
+            # vLLM at the same precision: the same int8 weights through its W8A8 kernels, whose activations
+            # must be bfloat16 or float16 on CPU (ours stay float32 around the int8 GEMMs)
+            path, weights, dtype = peers.vllm_w8a8_checkpoint(path), "w8a8", "bfloat16"
         out = peers.vllm_generate(args.peer_python, path, wl.prompts, wl.output_lens, threads,
                                   args.max_num_batched_tokens, args.max_num_seqs, dtype,
                                   profile_vocab=vocab if args.profile else None)
@@ -273,7 +277,7 @@ def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str, voc
     if out["output_tokens"] != wl.num_output_tokens:
         raise SystemExit(f"--compare vllm: vLLM produced {out['output_tokens']} tokens, not {wl.num_output_tokens}")
     figures = _figures("vllm-cpu", wl, out["elapsed_s"], out["startup_s"])
-    figures.cpu_s, figures.dtype, figures.num_threads = out["cpu_s"], dtype, threads
+    figures.cpu_s, figures.dtype, figures.num_threads, figures.weights = out["cpu_s"], dtype, threads, weights
     if args.profile:
         from ecoserve.bench.profile import peer_breakdown
 
@@ -304,14 +308,16 @@ def compare_runs(model: str, wl: Workload, args: argparse.Namespace, runs: list[
 
 
 def ratios(results: list[Figures]) -> dict[str, float]:
-    """Output throughput ratios: ours against each peer at the same dtype (also per CPU second), ours at
+    """Output throughput ratios: ours against each peer at the same dtype, or with the same quantized weights
+    (also per CPU second), ours at
     the first dtype against ours at each other (bfloat16 / float32 for `--dtypes bfloat16 float32`), and
     each --configs setup against the first at its dtype."""
     ours = [r for r in results if r.system.startswith("ecoserve")]
     peers = [r for r in results if not r.system.startswith("ecoserve")]
     out: dict[str, float] = {}
     for r in ours:
-        for p in (p for p in peers if p.dtype == r.dtype):
+        # a peer with quantized weights against ours with the same ones, a float peer against ours at its dtype
+        for p in (p for p in peers if (p.weights == r.weights if p.weights else p.dtype == r.dtype)):
             out[f"{r.label} / {p.label} output throughput"] = r.output_tokens_per_s / p.output_tokens_per_s
             if r.cpu_s and p.cpu_s:
                 out[f"{r.label} / {p.label} output tokens per CPU second"] = p.cpu_s / r.cpu_s
@@ -439,13 +445,14 @@ def run_model(model: str, args: argparse.Namespace, dtypes: list[str]) -> dict:
     for c in ceilings.values():
         print(f"{c.dtype} at {c.num_threads} thread(s): packed-GEMM peak {c.gemm_peak_gflops:.1f} GFLOP/s "
               f"({'x'.join(map(str, roofline.PEAK_SHAPE))}), copy bandwidth {c.memory_gbps:.1f} GB/s")
-    width = max(24, *(len(r.system) + 2 for r in results))
+    named = {id(r): " ".join(part for part in (r.system, r.weights) if part) for r in results}
+    width = max(24, *(len(name) + 2 for name in named.values()))
     print(f"{'system':<{width}}{'dtype':<10}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}"
           f"{'GFLOP/s':>10}{'% peak':>8}")
     for r in results:
         gf = r.achieved_gflops or 0.0
         peak = ceilings[r.dtype, r.num_threads].gemm_peak_gflops
-        print(f"{r.system:<{width}}{r.dtype:<10}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
+        print(f"{named[id(r)]:<{width}}{r.dtype:<10}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
     for r in results:
         if r.cpu_s is not None:

