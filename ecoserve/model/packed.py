@@ -16,8 +16,8 @@ float32 anywhere), the experts are packed for it instead (`NativeExperts`): one 
 oneDNN calls of ~100 us fixed cost per active expert.
 
 Decode-sized calls (at most the kernel's `max_rows(dtype)`: 8 in float32, 4 in bfloat16) read the same packed
-weight through the native loop of kernels/skinny_linear.cpp, which streams it 1.3-1.4x faster than oneDNN's GEMM at one to four
-rows on an AMX Xeon; it first checks, element by element, that it reads oneDNN's layout as the weight, and
+weight through the native loop of kernels/skinny_linear.cpp, which streams it 1.2-1.35x faster than oneDNN's
+GEMM at one row on an AMX Xeon; it first checks, element by element, that it reads oneDNN's layout as the weight, and
 a layer whose layout it does not recognise stays on oneDNN at every size.
 """
 from __future__ import annotations
