@@ -77,8 +77,13 @@ class Figures:
     peer_profile: dict | None = field(default=None, repr=False)  # a peer's --profile: seconds by category, top ops
 
     @property
+    def name(self) -> str:
+        """The system and its quantized weights, if any (the table's first column)."""
+        return f"{self.system} {self.weights}" if self.weights else self.system
+
+    @property
     def label(self) -> str:
-        return " ".join(part for part in (self.system, self.weights, self.dtype) if part)
+        return f"{self.name} {self.dtype}" if self.dtype else self.name
 
     def to_dict(self) -> dict:
         out = asdict(replace(self, profile=None))
@@ -445,14 +450,13 @@ def run_model(model: str, args: argparse.Namespace, dtypes: list[str]) -> dict:
     for c in ceilings.values():
         print(f"{c.dtype} at {c.num_threads} thread(s): packed-GEMM peak {c.gemm_peak_gflops:.1f} GFLOP/s "
               f"({'x'.join(map(str, roofline.PEAK_SHAPE))}), copy bandwidth {c.memory_gbps:.1f} GB/s")
-    named = {id(r): " ".join(part for part in (r.system, r.weights) if part) for r in results}
-    width = max(24, *(len(name) + 2 for name in named.values()))
+    width = max(24, *(len(r.name) + 2 for r in results))
     print(f"{'system':<{width}}{'dtype':<10}{'time s':>9}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}"
           f"{'GFLOP/s':>10}{'% peak':>8}")
     for r in results:
         gf = r.achieved_gflops or 0.0
         peak = ceilings[r.dtype, r.num_threads].gemm_peak_gflops
-        print(f"{named[id(r)]:<{width}}{r.dtype:<10}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
+        print(f"{r.name:<{width}}{r.dtype:<10}{r.elapsed_s:>9.1f}{r.requests_per_s:>9.3f}{r.output_tokens_per_s:>11.1f}"
               f"{r.total_tokens_per_s:>13.1f}{gf:>10.1f}{100 * gf / peak:>7.0f}%")
     for r in results:
         if r.cpu_s is not None:

@@ -43,9 +43,8 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        native = native_for(qkv) if qkv.is_contiguous() and cos.dtype == qkv.dtype else None
-        if native is not None and self.q_norm is not None and self.q_norm.weight.dtype != qkv.dtype:
-            native = None
+        norms_alike = self.q_norm is None or self.q_norm.weight.dtype == qkv.dtype
+        native = native_for(qkv) if qkv.is_contiguous() and cos.dtype == qkv.dtype and norms_alike else None
         if native is not None:  # q and k side by side in each row: in-place passes normalise and rotate both
             if self.q_norm is not None:
                 native.head_rms_norm_(q, self.q_norm.weight, self.q_norm.eps)
