@@ -171,7 +171,8 @@ def paged_prefill(isa: str | None = None):
 
 
 def fused_ops(isa: str | None = None):
-    """The compiled module with `rms_norm`, `rotary_` and `silu_and_mul` (float32 or bfloat16 rows), or None."""
+    """The compiled module with `rms_norm`, `head_rms_norm_`, `rotary_` and `silu_and_mul` (float32 or bfloat16
+    rows) and `moe_route` (a router's top-k from its logits), or None."""
     return _load("fused_ops", "torch elementwise ops", exact=True, isa=target_isa(isa))
 
 

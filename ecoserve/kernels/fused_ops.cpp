@@ -1,15 +1,18 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/TopKImpl.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "bf16.h"
 #include "simd.h"
 
 // Fused elementwise chains of the decoder layer on CPU, float32 or bfloat16 rows: each replaces 4-9
-// torch ops (and their Python calls and temporaries) by one pass over the rows. The float operations
+// torch ops (and their Python calls and temporaries) by one pass over the rows (and a MoE router's
+// softmax and top-k, below). The float operations
 // are HF Llama's, per element in the same order (built without -ffast-math and with
 // -ffp-contract=off: no fused multiply-adds where torch has none), except the RMS sum of squares,
 // accumulated in another order, and SiLU's exponential, a vectorizable polynomial within 2e-7 of
@@ -149,6 +152,43 @@ void silu_mul_rows(const torch::Tensor& x, torch::Tensor& out) {
   });
 }
 
+// One row of router logits [E] -> its top-k experts and their softmax probabilities (renormalised over the k
+// when asked), float32 throughout. The selection is torch's own CPU top-k loop (TopKImpl.h), so experts whose
+// probabilities tie come out in torch's order: a bf16 router has many ties, and at the k-th place the order
+// decides which expert runs.
+template <typename T>
+void route_row(const T* logits, int64_t E, int64_t k, bool normalize, float* probs, float* weights, int64_t* ids) {
+  float mx = -INFINITY;
+  for (int64_t e = 0; e < E; ++e) mx = std::max(mx, to_float(logits[e]));
+  float sum = 0.f;
+  for (int64_t e = 0; e < E; ++e) sum += (probs[e] = std::exp(to_float(logits[e]) - mx));
+  const float inv = 1.f / sum;  // torch's softmax multiplies by the reciprocal of the sum
+  for (int64_t e = 0; e < E; ++e) probs[e] *= inv;
+  char* data[3] = {reinterpret_cast<char*>(weights), reinterpret_cast<char*>(ids), reinterpret_cast<char*>(probs)};
+  const int64_t strides[3] = {0, 0, 0};
+  at::native::topk_impl_loop<float, float>(1, 1, 1, k, E, /*largest=*/true, /*sorted=*/true, data, strides, 1);
+  if (normalize) {
+    float total = 0.f;
+    for (int64_t j = 0; j < k; ++j) total += weights[j];
+    for (int64_t j = 0; j < k; ++j) weights[j] /= total;
+  }
+}
+
+template <typename T, typename W>
+void route_rows(const torch::Tensor& logits, int64_t k, bool normalize, torch::Tensor& weights, torch::Tensor& ids) {
+  const int64_t rows = logits.size(0), E = logits.size(1);
+  const T* lp = logits.data_ptr<T>();
+  W* wp = weights.data_ptr<W>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(E * 8), [&](int64_t b, int64_t e) {
+    std::vector<float> probs(E), top(k);
+    for (int64_t r = b; r < e; ++r) {
+      route_row(lp + r * E, E, k, normalize, probs.data(), top.data(), ip + r * k);
+      for (int64_t j = 0; j < k; ++j) wp[r * k + j] = static_cast<W>(top[j]);
+    }
+  });
+}
+
 }  // namespace
 
 // weight * (x * rsqrt(mean(x^2) + eps)) over the last dim.
@@ -202,9 +242,29 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+// A mixture-of-experts router's decision from its logits [T, E] (float32 or bfloat16): (weights [T, k], expert
+// ids [T, k] int64), transformers' rule in one pass per row: softmax in float32, the top k, optionally
+// renormalised over them, the weights cast to bfloat16 when `bf16_weights` (Qwen's routers) or kept float32.
+std::vector<torch::Tensor> moe_route(torch::Tensor logits, int64_t top_k, bool normalize, bool bf16_weights) {
+  TORCH_CHECK(is_supported(logits) && logits.dim() == 2 && logits.is_contiguous(), "moe_route: contiguous float32 "
+              "or bfloat16 logits [T, E], got ", logits.dtype(), " ", logits.sizes());
+  TORCH_CHECK(top_k >= 1 && top_k <= logits.size(1), "moe_route: top_k ", top_k, " must be in [1, ",
+              logits.size(1), "]");
+  auto weights = torch::empty({logits.size(0), top_k}, logits.options().dtype(bf16_weights ? torch::kBFloat16
+                                                                                            : torch::kFloat32));
+  auto ids = torch::empty({logits.size(0), top_k}, logits.options().dtype(torch::kInt64));
+  const bool bf16_logits = logits.dtype() == torch::kBFloat16;
+  if (bf16_logits && bf16_weights) route_rows<c10::BFloat16, c10::BFloat16>(logits, top_k, normalize, weights, ids);
+  else if (bf16_logits) route_rows<c10::BFloat16, float>(logits, top_k, normalize, weights, ids);
+  else if (bf16_weights) route_rows<float, c10::BFloat16>(logits, top_k, normalize, weights, ids);
+  else route_rows<float, float>(logits, top_k, normalize, weights, ids);
+  return {weights, ids};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("head_rms_norm_", &head_rms_norm_, "each head of x [T, H, D] RMS-normalised in place");
   m.def("rotary_", &rotary_);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("moe_route", &moe_route, "a router's top-k weights and expert ids from its logits");
 }

@@ -59,8 +59,15 @@ class ExpertShard:
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool,
           weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] in `weight_dtype`, expert ids [T, k] int64) exactly as transformers' routers compute them:
-    softmax in float32, top-k, optional renormalisation, then the cast."""
+    """(weights [T, k] in `weight_dtype`, expert ids [T, k] int64) as transformers' routers compute them:
+    softmax in float32, top-k, optional renormalisation, then the cast. On CPU one native pass per row
+    (fused_ops' `moe_route`: its exponential and sums may differ from torch's in the last float32 bit)
+    replaces the five torch ops, 40 us a layer at batch 1."""
+    native = native_for(router_logits)
+    if native is not None and router_logits.dim() == 2 and router_logits.is_contiguous() \
+            and weight_dtype in (torch.float32, torch.bfloat16):
+        weights, ids = native.moe_route(router_logits, top_k, normalize, weight_dtype == torch.bfloat16)
+        return weights, ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -114,15 +121,19 @@ def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tens
 
 
 class Router(nn.Module):
-    """The router's logits x W^T [T, E] by torch's own matmul, as transformers computes them: not an
-    nn.Linear, so weight quantization and oneDNN packing leave it alone and routing stays exact."""
+    """The router's logits x W^T [T, E] in the model's dtype, as transformers computes them. Not an nn.Linear,
+    so weight quantization leaves it alone (int8 router weights would change which experts run); on CPU
+    model/packed.py's `pack_linears` sets `prepacked`, the same weight prepacked like the dense layers, whose GEMM
+    differs from torch's only in the float32 accumulation order (torch's bfloat16 `F.linear` of one row took
+    ~85 us a layer inside a decode step, the packed one ~20 us)."""
 
     def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype))
+        self.prepacked: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight) if self.prepacked is None else self.prepacked(x)
 
 
 class SparseMoeBlock(nn.Module):

@@ -145,15 +145,22 @@ def packable_dtypes() -> frozenset[torch.dtype]:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every float32 CPU linear layer of `model` by a PackedLinear, and every bfloat16 one where
-    oneDNN supports bf16 here; returns how many. (MoE experts: `ecoserve.model.moe.pack_moe_experts`.)"""
+    oneDNN supports bf16 here, MoE routers included (they keep their plain weight beside the packed one);
+    returns how many. (MoE experts: `pack_moe_experts`.)"""
+    from ecoserve.model.moe import Router
     from ecoserve.model.quant import _is_linear, _replace
 
     dtypes = packable_dtypes()
     count = 0
     for name, module in list(model.named_modules()):
-        if _is_linear(module) and module.weight.dtype in dtypes and module.weight.device.type == "cpu":
+        if not (isinstance(module, Router) or _is_linear(module)) or module.weight.dtype not in dtypes \
+                or module.weight.device.type != "cpu":
+            continue
+        if isinstance(module, Router):
+            module.prepacked = PackedLinear(module.weight, None)
+        else:
             _replace(model, name, PackedLinear(module.weight, getattr(module, "bias", None)))
-            count += 1
+        count += 1
     return count
 
 

@@ -55,7 +55,8 @@ def test_pool_takes_the_plain_weights_of_packed_experts(mixtral):
         assert got.packed_experts is None and torch.equal(got.w_gate_up, want.w_gate_up)
         assert torch.equal(got.w_down, want.w_down)
     x = torch.randn(4, plain[0].w_gate_up.shape[-1])
-    torch.testing.assert_close(blocks_of(model)[0](x), plain[0](x), rtol=0, atol=0)
+    # the router stays prepacked: its logits may differ from torch's in the float32 summation order
+    torch.testing.assert_close(blocks_of(model)[0](x), plain[0](x), rtol=1e-5, atol=1e-6)
     assert pool.stats.hits + pool.stats.loads + pool.stats.host_computed > 0
 
 

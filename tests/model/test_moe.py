@@ -96,11 +96,58 @@ def test_loader_packs_experts_where_cpu_linear_says(tmp_path, dtype, cpu_linear,
     plain = load_model(str(path), dtype=dtype, cpu_linear="torch").model.layers[0].mlp
     assert (block.packed_experts is not None) == packed
     assert block.w_gate_up.numel() == 0 if packed else torch.equal(block.w_gate_up, plain.w_gate_up)
+    assert (block.gate.prepacked is not None) == (cpu_linear != "torch") and plain.gate.prepacked is None
     x = torch.randn(5, block.gate.weight.shape[1]).to(getattr(torch, dtype))
+    torch.testing.assert_close(block.gate(x), plain.gate(x), rtol=1e-5, atol=1e-5 if dtype == "float32" else 1e-2)
     torch.testing.assert_close(block(x), plain(x), rtol=1e-5, atol=1e-5 if dtype == "float32" else 1e-2)
     block.unpack_experts()  # what the expert pool does: the plain stacked weights back
     assert block.packed_experts is None
     assert torch.equal(block.w_gate_up, plain.w_gate_up) and torch.equal(block.w_down, plain.w_down)
+
+
+def torch_route(logits, top_k, normalize, weight_dtype):
+    """transformers' routing in torch ops, the reference for the native pass."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(weight_dtype), ids
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_experts, top_k", [(8, 2), (60, 4), (64, 8), (128, 8), (512, 8)])
+def test_native_route_picks_the_experts_torch_picks(num_experts, top_k, threads, torch_threads):
+    """The same experts in the same order as torch's softmax and top-k, ties included (bfloat16 logits tie
+    often, and at the k-th place the tie decides which expert runs); 512 of 8 takes torch's partial-sort path."""
+    from ecoserve.kernels import fused_ops
+
+    native = fused_ops()
+    if native is None:
+        pytest.skip("no native kernels on this machine")
+    torch_threads(threads)
+    gen = torch.Generator().manual_seed(num_experts)
+    logits = (torch.randn(3000, num_experts, generator=gen) * 2).to(torch.bfloat16)
+    ties = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for normalize in (False, True):
+            for weight_dtype in (torch.bfloat16, torch.float32):
+                x = logits.to(dtype)
+                got_w, got_ids = route(x, top_k, normalize, weight_dtype)
+                want_w, want_ids = torch_route(x, top_k, normalize, weight_dtype)
+                assert torch.equal(got_ids, want_ids) and got_w.dtype == weight_dtype
+                # exp and sums differ in the last float32 bits, which can round a bfloat16 weight the other way
+                if weight_dtype == torch.float32:
+                    torch.testing.assert_close(got_w, want_w, rtol=5e-6, atol=0)
+                else:
+                    torch.testing.assert_close(got_w, want_w, rtol=2 ** -7, atol=0)  # one bfloat16 step
+                    assert (got_w != want_w).float().mean() < 0.01
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(top_k + 1).values
+        ties += (probs[:, -1] == probs[:, -2]).sum().item()
+    assert ties > 0  # the case that needs torch's order did occur
+    with pytest.raises(RuntimeError, match="top_k"):
+        native.moe_route(logits, num_experts + 1, False, False)
+    with pytest.raises(RuntimeError, match=r"logits \[T, E\]"):
+        native.moe_route(logits[None], top_k, False, False)
 
 
 def test_router_matches_transformers_rules():
