@@ -294,13 +294,14 @@ class EngineArgs:
         help="load no tokenizer: prompts and outputs are token ids only")
     dtype: str = _option(EngineConfig.dtype, "--dtype", choices=DTYPES,
                          help="weights and activations; auto: bfloat16 on a CPU with bf16 instructions (AVX512-BF16 or "
-                              "AMX) when the checkpoint is bfloat16 or float16 and unquantized, else float32; on GPUs "
+                              "AMX) when the checkpoint is bfloat16 or float16 and unquantized or w8a8, else float32; on GPUs "
                               "the checkpoint's half dtype")
     quantization: str | None = _option(
         EngineConfig.quantization, "--quantization", choices=QUANTIZATIONS,
         help="quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model keeps its "
              "Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints (small batches, decode); w8a8: int8 "
-             "weights and per-token int8 activations through oneDNN's int8 GEMM (large batches)")
+             "weights and per-token int8 activations through oneDNN's int8 GEMM (large batches; float32 or "
+             "bfloat16 around it, the others float32 only)")
     cpu_linear: str = _option(
         EngineConfig.cpu_linear, "--cpu-linear", choices=CPU_LINEARS,
         help="float32 and bfloat16 linear layers on CPU: oneDNN with prepacked weights (onednn), torch's F.linear "

@@ -261,6 +261,12 @@ def run_hf(model: str, wl: Workload, args: argparse.Namespace, dtype: str) -> Fi
     return figures
 
 
+def vllm_dtype(args: argparse.Namespace, dtype: str) -> str:
+    """The dtype vLLM runs against ours at `dtype`: the same, except under W8A8, whose CPU kernels take bfloat16
+    (or float16) activations only."""
+    return "bfloat16" if args.quantization == "w8a8" else dtype
+
+
 def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str, vocab: int) -> Figures:
     """vLLM's CPU build on the same requests, scheduler limits and dtype (a GGUF model: its cached HF conversion);
     with --profile, a profiled pass of the same work after it (ids shifted within `vocab`)."""
@@ -270,10 +276,8 @@ def run_vllm(model: str, wl: Workload, args: argparse.Namespace, dtype: str, voc
     threads = args.num_threads or os.cpu_count() or 1
     try:
         path, weights = resolve_model_path(model), None
-        if args.quantization == "w8a8":
-            # vLLM at the same precision: the same int8 weights through its W8A8 kernels, whose activations
-            # must be bfloat16 or float16 on CPU (ours stay float32 around the int8 GEMMs)
-            path, weights, dtype = peers.vllm_w8a8_checkpoint(path), "w8a8", "bfloat16"
+        if args.quantization == "w8a8":  # vLLM at the same precision: the same int8 weights through its W8A8 kernels
+            path, weights = peers.vllm_w8a8_checkpoint(path), "w8a8"
         out = peers.vllm_generate(args.peer_python, path, wl.prompts, wl.output_lens, threads,
                                   args.max_num_batched_tokens, args.max_num_seqs, dtype,
                                   profile_vocab=vocab if args.profile else None)
@@ -430,11 +434,11 @@ def run_model(model: str, args: argparse.Namespace, dtypes: list[str]) -> dict:
     wl = make_workload(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range), vocab, args.seed)
     setups = [EngineSetup.parse(c) for c in args.configs] if args.configs else [None]
     results = compare_runs(model, wl, args, [(s, d) for d in dtypes for s in setups], config)
-    for dtype in dict.fromkeys(r.dtype for r in results):  # each resolved dtype once, in order
-        if args.compare == "hf":
-            results.append(run_hf(model, wl, args, dtype))
-        elif args.compare == "vllm":
-            results.append(run_vllm(model, wl, args, dtype, vocab))
+    ours = dict.fromkeys(r.dtype for r in results)  # each resolved dtype once, in order
+    if args.compare == "hf":
+        results += [run_hf(model, wl, args, dtype) for dtype in ours]
+    elif args.compare == "vllm":
+        results += [run_vllm(model, wl, args, dtype, vocab) for dtype in dict.fromkeys(vllm_dtype(args, d) for d in ours)]
     ceilings = {(r.dtype, r.num_threads): roofline.measure(r.dtype, r.num_threads or torch.get_num_threads())
                 for r in results}
     if config:

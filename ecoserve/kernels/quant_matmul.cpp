@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16.h"
 #include "simd.h"
 
 // Weight-only quantized linear layers on CPU, reading GGUF blocks as stored (no float copy).
@@ -335,69 +336,101 @@ torch::Tensor dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
 // oneDNN's, AMX-INT8 / VNNI). These two are the float passes around it, one read of each operand
 // instead of torch's chain of elementwise ops.
 
-// x [M, K] float32 -> (int8 [M, K], float32 [M]): each row rounded to int8 with scale max|x_row| / 127.
-std::vector<torch::Tensor> quantize_per_token(torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "quantize_per_token: x must be 2-D float32");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto scale = torch::empty({M}, x.options());
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
+namespace {
+
+using namespace ecoserve_simd;
+
+// max|x_row| / 127 divided as torch divides: this file's -ffast-math would otherwise multiply by a rounded 1/127,
+// one float32 step off torch's scale for some rows
+__attribute__((optimize("no-fast-math"), noinline)) float int8_scale(float amax) { return amax / 127.f; }
+
+template <typename T>
+void quantize_rows(const T* xp, int8_t* qp, float* sp, int64_t M, int64_t K) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const float* row = xp + m * K;
+      const T* row = xp + m * K;
       int8_t* out = qp + m * K;
       float amax = 0.f;
       int64_t k = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       __m512 vmax = _mm512_setzero_ps();
-      for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+      for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(vload(row + k)));
       amax = _mm512_reduce_max_ps(vmax);
 #endif
-      for (; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      for (; k < K; ++k) amax = std::max(amax, std::fabs(to_float(row[k])));
+      const float d = int8_scale(amax), id = d > 0.f ? 1.f / d : 0.f;
       k = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
       for (; k + 16 <= K; k += 16)  // cvtps rounds to nearest even, as nearbyint does
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), _mm512_set1_ps(id)))));
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(vload(row + k), _mm512_set1_ps(id)))));
 #endif
-      for (; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * id));
+      for (; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(to_float(row[k]) * id));
       sp[m] = d;
     }
   });
-  return {q, scale};
 }
 
-// out [M, N] float32, in place: out[m, n] * x_scale[m] (+ bias[n]), the per-token scales of an int8
-// GEMM whose per-channel weight scales oneDNN has applied.
-void scale_rows_(torch::Tensor out, torch::Tensor x_scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
-              "scale_rows_: out must be a contiguous 2-D float32 tensor");
-  const int64_t M = out.size(0), N = out.size(1);
-  TORCH_CHECK(x_scale.dtype() == torch::kFloat32 && x_scale.numel() == M && x_scale.is_contiguous(),
-              "scale_rows_: x_scale must be contiguous float32 [M]");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
-                "scale_rows_: bias must be contiguous float32 [N]");
-    bp = bias->data_ptr<float>();
-  }
-  const float* xs = x_scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <typename To>
+void scale_rows_into(const float* op, const float* xs, const float* bp, To* dp, int64_t M, int64_t N) {
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      float* o = op + m * N;
+      const float* o = op + m * N;
+      To* d = dp + m * N;
       const float s = xs[m];
       if (bp != nullptr) {
-        for (int64_t n = 0; n < N; ++n) o[n] = o[n] * s + bp[n];
+        for (int64_t n = 0; n < N; ++n) d[n] = from_float<To>(o[n] * s + bp[n]);
       } else {
-        for (int64_t n = 0; n < N; ++n) o[n] *= s;
+        for (int64_t n = 0; n < N; ++n) d[n] = from_float<To>(o[n] * s);
       }
     }
   });
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16 -> (int8 [M, K], float32 [M]): each row rounded to int8 with scale
+// max|x_row| / 127.
+std::vector<torch::Tensor> quantize_per_token(torch::Tensor x) {
+  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2,
+              "quantize_per_token: x must be 2-D float32 or bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto scale = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  if (x.dtype() == torch::kBFloat16)
+    quantize_rows(x.data_ptr<c10::BFloat16>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), M, K);
+  else
+    quantize_rows(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), M, K);
+  return {q, scale};
+}
+
+// out [M, N] float32 -> dst [M, N] (float32, which may be out itself, or bfloat16, rounded once):
+// out[m, n] * x_scale[m] (+ bias[n]), the per-token scales of an int8 GEMM whose per-channel weight
+// scales oneDNN has applied.
+void scale_rows_to(torch::Tensor out, torch::Tensor x_scale, c10::optional<torch::Tensor> bias, torch::Tensor dst) {
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
+              "scale_rows: out must be a contiguous 2-D float32 tensor");
+  const int64_t M = out.size(0), N = out.size(1);
+  TORCH_CHECK(x_scale.dtype() == torch::kFloat32 && x_scale.numel() == M && x_scale.is_contiguous(),
+              "scale_rows: x_scale must be contiguous float32 [M]");
+  TORCH_CHECK((dst.dtype() == torch::kFloat32 || dst.dtype() == torch::kBFloat16) && dst.is_contiguous() &&
+              dst.sizes() == out.sizes(), "scale_rows: dst must be a contiguous float32 or bfloat16 tensor shaped "
+              "like out");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
+                "scale_rows: bias must be contiguous float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  if (dst.dtype() == torch::kBFloat16)
+    scale_rows_into(out.data_ptr<float>(), x_scale.data_ptr<float>(), bp, dst.data_ptr<c10::BFloat16>(), M, N);
+  else
+    scale_rows_into(out.data_ptr<float>(), x_scale.data_ptr<float>(), bp, dst.data_ptr<float>(), M, N);
+}
+
+void scale_rows_(torch::Tensor out, torch::Tensor x_scale, c10::optional<torch::Tensor> bias) {
+  scale_rows_to(out, x_scale, bias, out);
 }
 
 // The integer dot path this build compiled: tests check each one, the engine logs it.
@@ -419,4 +452,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize);
   m.def("quantize_per_token", &quantize_per_token);
   m.def("scale_rows_", &scale_rows_, py::arg("out"), py::arg("x_scale"), py::arg("bias") = py::none());
+  m.def("scale_rows_to", &scale_rows_to, py::arg("out"), py::arg("x_scale"), py::arg("bias"), py::arg("dst"));
 }

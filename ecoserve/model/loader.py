@@ -55,14 +55,15 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
                   flags: frozenset[str] | None = None) -> torch.dtype:
     """The dtype of weights and activations. 'auto' follows vLLM's CPU backend: on a CPU with bf16
     instructions a bfloat16 or float16 checkpoint runs in bfloat16 (oneDNN/AMX GEMMs several times
-    float32's), anything else in float32; quantized weights always take float32 activations. On
+    float32's), anything else in float32; so does `w8a8` (vLLM's CPU W8A8 runs bfloat16 activations),
+    while the block-quantized weights (`int8`, `gguf`) always take float32 activations. On
     accelerators: the checkpoint's half dtype, else bfloat16. `flags`: the CPU's (tests pass their own)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if torch.device(device).type != "cpu":
             return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
-        if quantization in (None, "none") and checkpoint_dtype in _HALF_CHECKPOINTS and cpu_has_bf16(flags):
+        if quantization in (None, "none", "w8a8") and checkpoint_dtype in _HALF_CHECKPOINTS and cpu_has_bf16(flags):
             return torch.bfloat16
         return torch.float32
     if dtype not in _DTYPES:
@@ -189,15 +190,17 @@ def resolve_quantization(quantization: str | None, dtype: str | torch.dtype, is_
     """None or 'none': float weights (the default); 'gguf' keeps a GGUF file's blocks; 'int8' makes Q8_0
     blocks of a float checkpoint (weight-only, for memory-bound decode); 'w8a8' makes per-channel int8
     weights and quantizes activations per token (int8 GEMMs, for compute-bound batches). Quantized
-    weights run on CPU with float32 activations."""
+    weights run on CPU, with float32 activations, or bfloat16 ones for 'w8a8' (as vLLM's CPU W8A8 runs)."""
     if quantization in (None, "none"):
         return None
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if quantization == "gguf" and not is_gguf:
         raise ValueError("--quantization gguf needs a .gguf model; use --quantization int8 or w8a8 for other checkpoints")
-    if dtype not in ("auto", "float32", torch.float32) or torch.device(device).type != "cpu":
-        raise ValueError(f"quantized weights run on CPU with float32 activations; got dtype {dtype}, device {device}")
+    allowed = ("auto", "float32", torch.float32) + (("bfloat16", torch.bfloat16) if quantization == "w8a8" else ())
+    if dtype not in allowed or torch.device(device).type != "cpu":
+        raise ValueError(f"quantized weights run on CPU with float32 activations (w8a8: or bfloat16); got dtype "
+                         f"{dtype}, device {device}")
     return quantization
 
 

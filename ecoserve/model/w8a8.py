@@ -50,7 +50,8 @@ def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 class W8A8Linear(nn.Module):
-    """nn.Linear with an int8 weight [out, in] and per-output-channel scales; float32 in, float32 out.
+    """nn.Linear with an int8 weight [out, in] and per-output-channel scales. Takes float32 or bfloat16 rows and
+    returns their dtype: the scaling and the bias are applied in float32 and a bfloat16 output rounded once.
 
     `weight` is the plain int8 matrix, or, once `pack()` ran, oneDNN's opaque prepacked copy of it.
     """
@@ -82,21 +83,23 @@ class W8A8Linear(nn.Module):
         self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
+        flat = x.reshape(-1, self.in_features)
         native = _native()
-        xq, x_scale = native.quantize_per_token(flat) if native is not None else quantize_per_token_torch(flat)
+        xq, x_scale = native.quantize_per_token(flat) if native is not None else quantize_per_token_torch(flat.float())
         if self.packed:
             out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, self.weight, self.weight_scale, self._zero_points,
                                                      None, 1.0, 0, torch.float32, "none", [], "")
         else:
             out = torch._int_mm(xq, self.weight.t()).float() * self.weight_scale
-        if native is not None:
-            native.scale_rows_(out, x_scale, self.bias)
+        if native is not None:  # the per-token scales, the bias and the rounding to x's dtype in one pass
+            result = out if x.dtype == torch.float32 else torch.empty_like(out, dtype=x.dtype)
+            native.scale_rows_to(out, x_scale, self.bias, result)
         else:
             out *= x_scale[:, None]
             if self.bias is not None:
                 out += self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+            result = out.to(x.dtype)
+        return result.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         how = "oneDNN-packed" if self.packed else "torch._int_mm"

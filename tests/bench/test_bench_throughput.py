@@ -216,6 +216,25 @@ def test_w8a8_gives_vllm_the_same_int8_weights_once(tmp_path, monkeypatch):
         peers.vllm_w8a8_checkpoint(tmp_path / "empty")
 
 
+def test_w8a8_at_two_dtypes_starts_vllm_once_in_bfloat16(fake_vllm, tmp_path, monkeypatch, capsys):
+    """vLLM's CPU W8A8 takes bfloat16 activations only: ours at bfloat16 and float32 both face its one bf16 run."""
+    monkeypatch.setattr(peers, "vllm_w8a8_checkpoint", lambda path: path)  # the copy itself: the test above
+    model = make_tiny_checkpoint(tmp_path / "ckpt", "llama")
+    parser = argparse.ArgumentParser()
+    throughput.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["throughput", "--model", str(model), "--num-prompts", "2", "--input-len-range", "4", "6",
+                              "--output-len-range", "2", "3", "--num-threads", "1", "--no-tqdm", "--quantization",
+                              "w8a8", "--dtypes", "bfloat16", "float32", "--compare", "vllm", "--peer-python",
+                              fake_vllm, "--json", str(tmp_path / "out.json")])
+    assert throughput.main(args) == 0
+    assert _vllm_dtypes(tmp_path) == ["bfloat16"]
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert [(r["system"], r["dtype"], r["weights"]) for r in report["results"]] == [
+        ("ecoserve", "bfloat16", "w8a8"), ("ecoserve", "float32", "w8a8"), ("vllm-cpu", "bfloat16", "w8a8")]
+    assert "ecoserve w8a8 bfloat16 / vllm-cpu w8a8 bfloat16 output throughput" in report["ratios"]
+    assert "ecoserve w8a8 float32 / vllm-cpu w8a8 bfloat16 output throughput" in report["ratios"]
+
+
 def test_quantized_runs_are_compared_with_a_peer_on_the_same_weights_or_a_float_peer_at_their_dtype():
     fig = lambda system, dtype, weights, tok_s: throughput.Figures(system, 1.0, 1.0, tok_s, tok_s, dtype=dtype,
                                                                     weights=weights)

@@ -27,6 +27,9 @@ NO_BF16 = frozenset({"avx2", "avx512f", "avx512_vnni"})  # an AVX-512 CPU withou
     ("bfloat16", None, frozenset(), torch.float32),  # no /proc/cpuinfo
     ("bfloat16", "int8", AMX, torch.float32),  # quantized weights take float32 activations
     ("bfloat16", "gguf", AMX, torch.float32),
+    ("bfloat16", "w8a8", AMX, torch.bfloat16),  # int8 GEMMs between bfloat16 activations, as vLLM's CPU W8A8
+    ("float32", "w8a8", AMX, torch.float32),
+    ("bfloat16", "w8a8", NO_BF16, torch.float32),
     ("bfloat16", "none", AMX, torch.bfloat16),
 ])
 def test_auto_on_cpu(checkpoint, quantization, flags, expected):

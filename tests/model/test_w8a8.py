@@ -47,12 +47,20 @@ def test_per_channel_weights_round_to_half_a_step():
 
 
 @pytest.mark.skipif(w8a8._native() is None, reason="native quant_matmul kernel not built")
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [K, K + 5])
-def test_native_per_token_rounding_equals_torch(k):
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(4)) * torch.arange(1, 8)[:, None]
+def test_native_per_token_rounding_equals_torch(k, dtype, isa):
+    """Bit-equal to torch's rounding on the AVX-512 build and on the AVX2 one (scalar loops under -ffast-math)."""
+    from ecoserve.kernels import quant_matmul
+
+    kernel = quant_matmul(isa)
+    if kernel is None:
+        pytest.skip(f"no {isa} build of quant_matmul on this machine")
+    x = (torch.randn(7, k, generator=torch.Generator().manual_seed(4)) * torch.arange(1, 8)[:, None]).to(dtype)
     x[3] = 0  # an all-zero row: scale 0, no division by it
-    q, scale = w8a8._native().quantize_per_token(x)
-    q_ref, scale_ref = quantize_per_token_torch(x)
+    q, scale = kernel.quantize_per_token(x)
+    q_ref, scale_ref = quantize_per_token_torch(x.float())
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
 
 
@@ -99,7 +107,29 @@ def test_w8a8_greedy_tokens_equal_the_float_model_except_near_ties(tmp_path):
         assert ours == ref or margin < 2 * LOGIT_TOL, f"parted at a margin of {margin:.3f}: {ours} vs {ref}"
 
 
-def test_w8a8_needs_float32_activations_on_cpu(tmp_path):
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_bfloat16_rows_give_the_float32_result_rounded_once(path, bias, monkeypatch):
+    """bfloat16 activations go through the same int8 GEMM: the float32 result for the same values, rounded
+    once to bfloat16 (the per-token scaling and bias stay float32)."""
+    layer, _ = _layer(path, bias, monkeypatch)
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, layer(x.float()).to(torch.bfloat16))
+
+
+def test_w8a8_runs_bfloat16_activations_and_nothing_else_but_float32(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "llama")
+    model = load_model(str(ckpt), quantization="w8a8", dtype="bfloat16").model
+    assert isinstance(model.lm_head, W8A8Linear) and model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    ids = prompts(1, seed=9, min_len=20, max_len=20)[0]
+    ref = _logits(load_model(str(ckpt)).model, ids)
+    # within the int8 roundings' tolerance plus what bfloat16 alone moves the float model's logits
+    bf16_error = (_logits(load_model(str(ckpt), dtype="bfloat16").model, ids).float() - ref).abs().max().item()
+    ours = _logits(model, ids).float()
+    assert (ours - ref).abs().max().item() <= LOGIT_TOL * ref.abs().max().item() + bf16_error
     with pytest.raises(ValueError, match="float32 activations"):
-        load_model(str(ckpt), quantization="w8a8", dtype="bfloat16")
+        load_model(str(ckpt), quantization="w8a8", dtype="float16")
+    with pytest.raises(ValueError, match="float32 activations"):
+        load_model(str(ckpt), quantization="int8", dtype="bfloat16")
