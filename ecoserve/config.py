@@ -294,8 +294,8 @@ class EngineArgs:
         help="load no tokenizer: prompts and outputs are token ids only")
     dtype: str = _option(EngineConfig.dtype, "--dtype", choices=DTYPES,
                          help="weights and activations; auto: bfloat16 on a CPU with bf16 instructions (AVX512-BF16 or "
-                              "AMX) when the checkpoint is bfloat16 or float16 and unquantized or w8a8, else float32; on GPUs "
-                              "the checkpoint's half dtype")
+                              "AMX) when the checkpoint is bfloat16 or float16 and unquantized or w8a8, else float32; "
+                              "on GPUs the checkpoint's half dtype")
     quantization: str | None = _option(
         EngineConfig.quantization, "--quantization", choices=QUANTIZATIONS,
         help="quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model keeps its "

@@ -438,7 +438,8 @@ def run_model(model: str, args: argparse.Namespace, dtypes: list[str]) -> dict:
     if args.compare == "hf":
         results += [run_hf(model, wl, args, dtype) for dtype in ours]
     elif args.compare == "vllm":
-        results += [run_vllm(model, wl, args, dtype, vocab) for dtype in dict.fromkeys(vllm_dtype(args, d) for d in ours)]
+        peer_dtypes = dict.fromkeys(vllm_dtype(args, d) for d in ours)
+        results += [run_vllm(model, wl, args, dtype, vocab) for dtype in peer_dtypes]
     ceilings = {(r.dtype, r.num_threads): roofline.measure(r.dtype, r.num_threads or torch.get_num_threads())
                 for r in results}
     if config:

@@ -11,16 +11,15 @@
 #include "simd.h"
 
 // Fused elementwise chains of the decoder layer on CPU, float32 or bfloat16 rows: each replaces 4-9
-// torch ops (and their Python calls and temporaries) by one pass over the rows (and a MoE router's
-// softmax and top-k, below). The float operations
-// are HF Llama's, per element in the same order (built without -ffast-math and with
-// -ffp-contract=off: no fused multiply-adds where torch has none), except the RMS sum of squares,
-// accumulated in another order, and SiLU's exponential, a vectorizable polynomial within 2e-7 of
-// expf (a call to expf does not vectorize without -ffast-math, and a 2048-token prompt chunk needs
-// millions). In bfloat16 each value is rounded to bf16 where HF's bf16 modules round it: torch runs
-// a bf16 op in float32 and rounds its result, so rotary rounds each product and each sum, SiLU-and-mul
-// the SiLU and the product, and RMSNorm (float32 statistics) the normalised row and its product with
-// the bf16 weight.
+// torch ops (and their Python calls and temporaries) by one pass over the rows; so does a MoE router's
+// softmax and top-k (moe_route, below). The float operations are HF Llama's, per element in the same
+// order (built without -ffast-math and with -ffp-contract=off: no fused multiply-adds where torch has
+// none), except the RMS sum of squares, accumulated in another order, and SiLU's exponential, a
+// vectorizable polynomial within 2e-7 of expf (a call to expf does not vectorize without -ffast-math,
+// and a 2048-token prompt chunk needs millions). In bfloat16 each value is rounded to bf16 where HF's
+// bf16 modules round it: torch runs a bf16 op in float32 and rounds its result, so rotary rounds each
+// product and each sum, SiLU-and-mul the SiLU and the product, and RMSNorm (float32 statistics) the
+// normalised row and its product with the bf16 weight.
 
 namespace {
 

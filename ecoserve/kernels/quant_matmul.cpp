@@ -410,27 +410,23 @@ std::vector<torch::Tensor> quantize_per_token(torch::Tensor x) {
 // scales oneDNN has applied.
 void scale_rows_to(torch::Tensor out, torch::Tensor x_scale, c10::optional<torch::Tensor> bias, torch::Tensor dst) {
   TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
-              "scale_rows: out must be a contiguous 2-D float32 tensor");
+              "scale_rows_to: out must be a contiguous 2-D float32 tensor");
   const int64_t M = out.size(0), N = out.size(1);
   TORCH_CHECK(x_scale.dtype() == torch::kFloat32 && x_scale.numel() == M && x_scale.is_contiguous(),
-              "scale_rows: x_scale must be contiguous float32 [M]");
+              "scale_rows_to: x_scale must be contiguous float32 [M]");
   TORCH_CHECK((dst.dtype() == torch::kFloat32 || dst.dtype() == torch::kBFloat16) && dst.is_contiguous() &&
-              dst.sizes() == out.sizes(), "scale_rows: dst must be a contiguous float32 or bfloat16 tensor shaped "
+              dst.sizes() == out.sizes(), "scale_rows_to: dst must be a contiguous float32 or bfloat16 tensor shaped "
               "like out");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
-                "scale_rows: bias must be contiguous float32 [N]");
+                "scale_rows_to: bias must be contiguous float32 [N]");
     bp = bias->data_ptr<float>();
   }
   if (dst.dtype() == torch::kBFloat16)
     scale_rows_into(out.data_ptr<float>(), x_scale.data_ptr<float>(), bp, dst.data_ptr<c10::BFloat16>(), M, N);
   else
     scale_rows_into(out.data_ptr<float>(), x_scale.data_ptr<float>(), bp, dst.data_ptr<float>(), M, N);
-}
-
-void scale_rows_(torch::Tensor out, torch::Tensor x_scale, c10::optional<torch::Tensor> bias) {
-  scale_rows_to(out, x_scale, bias, out);
 }
 
 // The integer dot path this build compiled: tests check each one, the engine logs it.
@@ -451,6 +447,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear);
   m.def("dequantize", &dequantize);
   m.def("quantize_per_token", &quantize_per_token);
-  m.def("scale_rows_", &scale_rows_, py::arg("out"), py::arg("x_scale"), py::arg("bias") = py::none());
   m.def("scale_rows_to", &scale_rows_to, py::arg("out"), py::arg("x_scale"), py::arg("bias"), py::arg("dst"));
 }

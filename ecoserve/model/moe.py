@@ -66,8 +66,7 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool,
     native = native_for(router_logits)
     if native is not None and router_logits.dim() == 2 and router_logits.is_contiguous() \
             and weight_dtype in (torch.float32, torch.bfloat16):
-        weights, ids = native.moe_route(router_logits, top_k, normalize, weight_dtype == torch.bfloat16)
-        return weights, ids
+        return tuple(native.moe_route(router_logits, top_k, normalize, weight_dtype == torch.bfloat16))
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:

@@ -119,6 +119,19 @@ def test_bfloat16_rows_give_the_float32_result_rounded_once(path, bias, monkeypa
     assert torch.equal(out, layer(x.float()).to(torch.bfloat16))
 
 
+@pytest.mark.skipif(w8a8._native() is None, reason="native quant_matmul kernel not built")
+def test_native_passes_name_what_they_cannot_take():
+    native, out, scale = w8a8._native(), torch.zeros(3, N), torch.ones(3)
+    with pytest.raises(RuntimeError, match="quantize_per_token: x must be 2-D float32 or bfloat16"):
+        native.quantize_per_token(torch.zeros(3, K, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="scale_rows_to: dst"):
+        native.scale_rows_to(out, scale, None, torch.zeros(3, N, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="scale_rows_to: dst"):
+        native.scale_rows_to(out, scale, None, torch.zeros(3, N + 1))
+    with pytest.raises(RuntimeError, match="scale_rows_to: x_scale"):
+        native.scale_rows_to(out, torch.ones(2), None, out)
+
+
 def test_w8a8_runs_bfloat16_activations_and_nothing_else_but_float32(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "llama")
     model = load_model(str(ckpt), quantization="w8a8", dtype="bfloat16").model
