@@ -174,7 +174,7 @@ void run_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::
         for (int64_t r = 0; r < m; ++r) {
           const T* src = xp + (sorted[row + r] / k) * H;
           if (streamed<T>(m))
-            for (int64_t h = 0; h < H; ++h) af[r * Hp + h] = to_float(src[h]);
+            convert_row(&af[r * Hp], src, H);
           else
             std::memcpy(&a[r * Hp], src, H * sizeof(T));
         }
@@ -208,7 +208,7 @@ void run_experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::
       if (streamed<T>(m)) {
         if (widened != t) {  // hidden's rows of the tile (their padding column is zero), once per tile
           hf.resize(m * Ip);
-          for (int64_t r = 0; r < m * Ip; ++r) hf[r] = to_float(hp[row * Ip + r]);
+          convert_row(hf.data(), hp + row * Ip, m * Ip);
           widened = t;
         }
         stream_tile_rows<T>(b, hf.data(), Ip, Ip, m, c.data());

@@ -153,14 +153,13 @@ def pack_linears(model: nn.Module) -> int:
     dtypes = packable_dtypes()
     count = 0
     for name, module in list(model.named_modules()):
-        if not (isinstance(module, Router) or _is_linear(module)) or module.weight.dtype not in dtypes \
-                or module.weight.device.type != "cpu":
-            continue
-        if isinstance(module, Router):
-            module.prepacked = PackedLinear(module.weight, None)
-        else:
-            _replace(model, name, PackedLinear(module.weight, getattr(module, "bias", None)))
-        count += 1
+        router = isinstance(module, Router)
+        if (router or _is_linear(module)) and module.weight.dtype in dtypes and module.weight.device.type == "cpu":
+            if router:
+                module.prepacked = PackedLinear(module.weight, None)
+            else:
+                _replace(model, name, PackedLinear(module.weight, getattr(module, "bias", None)))
+            count += 1
     return count
 
 
