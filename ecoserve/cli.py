@@ -1,4 +1,4 @@
-"""`ecoserve generate | serve | bench throughput | bench serve | simulate`."""
+"""`ecoserve generate | serve | bench throughput | bench serve | simulate | env`."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,14 @@ def _keys_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env(args: argparse.Namespace) -> int:
+    """`ecoserve env`: the machine, the CPU capabilities in force and which path each kernel takes."""
+    from ecoserve.kernels.paths import environment_report
+
+    print(environment_report())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ecoserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="level of ecoserve's own log (libraries log warnings)")
@@ -96,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                                            "client.key and their .key_secret files.")
     gen_keys.add_argument("dir", metavar="DIR")
     gen_keys.set_defaults(func=_keys_generate)
+    env = sub.add_parser("env", help="the CPU capabilities and the path each kernel takes here",
+                         description="Print this machine's CPU, what the capability probe reports at the level in "
+                                     "force (ECOSERVE_CPU_ISA) and the path each op takes (native kernels build on "
+                                     "first use).")
+    env.set_defaults(func=_env)
     try:
         from ecoserve.sim import cli as sim_cli
         sim_cli.add_parser(sub)

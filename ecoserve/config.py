@@ -26,6 +26,13 @@ def _need(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_quantize_lm_head(quantization: str | None, quantize_lm_head: bool) -> None:
+    """`--quantize-lm-head` only says something under `--quantization w8a8` (the other quantizations take the
+    LM head with the rest): refuse it elsewhere rather than ignore it."""
+    _need(not quantize_lm_head or quantization == "w8a8",
+          f"quantize_lm_head (--quantize-lm-head) needs quantization w8a8; got quantization {quantization!r}")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -228,6 +235,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"  # auto (see model.loader.resolve_dtype) | float32 | bfloat16 | float16
     quantization: str | None = None  # None/none: float weights | gguf: keep GGUF blocks | int8: Q8_0 weights | w8a8 (CPU)
+    quantize_lm_head: bool = False  # w8a8: the LM head int8 too (else it stays float, as in vLLM's W8A8)
     cpu_linear: str = "auto"  # linears on CPU: auto | torch (F.linear) | onednn (prepacked oneDNN weights)
     device: str = "cpu"
     seed: int = 0
@@ -250,6 +258,7 @@ class EngineConfig:
                                               f"got {self.cpu_linear!r}")
         _need(self.quantization is None or self.quantization in QUANTIZATIONS,
               f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        check_quantize_lm_head(self.quantization, self.quantize_lm_head)
 
 
 @dataclass(frozen=True)
@@ -300,8 +309,12 @@ class EngineArgs:
         EngineConfig.quantization, "--quantization", choices=QUANTIZATIONS,
         help="quantization on CPU, opt-in (default none: float weights); gguf: a .gguf model keeps its "
              "Q4_0/Q4_1/Q8_0 blocks; int8: Q8_0 weights for HF checkpoints (small batches, decode); w8a8: int8 "
-             "weights and per-token int8 activations through oneDNN's int8 GEMM (large batches; float32 or "
+             "weights and per-token int8 activations through an int8 GEMM, oneDNN's with VNNI or AMX-INT8, else an "
+             "exact native one (large batches; the LM head stays float unless --quantize-lm-head; float32 or "
              "bfloat16 around it, the others float32 only)")
+    quantize_lm_head: bool = _option(
+        EngineConfig.quantize_lm_head, "--quantize-lm-head",
+        help="under --quantization w8a8, quantize the LM head too (default: it stays float, as vLLM's W8A8 keeps it)")
     cpu_linear: str = _option(
         EngineConfig.cpu_linear, "--cpu-linear", choices=CPU_LINEARS,
         help="float32 and bfloat16 linear layers on CPU: oneDNN with prepacked weights (onednn), torch's F.linear "
@@ -443,7 +456,8 @@ class EngineArgs:
         return EngineConfig(
             model=self.model, tokenizer=self.tokenizer, revision=self.revision,
             skip_tokenizer_init=self.skip_tokenizer_init, dtype=self.dtype, quantization=self.quantization,
-            cpu_linear=self.cpu_linear, device=self.device, seed=self.seed, num_threads=self.num_threads,
+            quantize_lm_head=self.quantize_lm_head, cpu_linear=self.cpu_linear, device=self.device, seed=self.seed,
+            num_threads=self.num_threads,
             scheduler=SchedulerConfig(policy=self.scheduling_policy, max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                                       max_waiting=self.max_waiting),

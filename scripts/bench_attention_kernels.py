@@ -91,7 +91,7 @@ def bench_prefill(args, prefill) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--isa", default=None, help="native (default) or avx2: the kernels' build (ECOSERVE_KERNEL_ISA)")
+    ap.add_argument("--isa", default=None, help="native (default) or avx2: the kernels' build (ECOSERVE_CPU_ISA)")
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--context", type=int, default=330)
     ap.add_argument("--prompts", type=int, default=8)

@@ -20,6 +20,8 @@ def non_default(f: dataclasses.Field) -> typing.Any:
         return not f.default
     if f.name == "speculative_config":
         return '{"method": "ngram", "num_speculative_tokens": 2}'
+    if f.name == "quantization":
+        return "w8a8"  # the one quantization quantize_lm_head goes with
     choices = f.metadata["flag"].choices
     if choices:
         return next(c for c in choices if c != f.default)

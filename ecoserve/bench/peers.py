@@ -134,9 +134,9 @@ _W8A8_CONFIG = {
 def vllm_w8a8_checkpoint(model_dir: Path) -> Path:
     """The model as vLLM loads W8A8 int8 (compressed-tensors: int8 weights and one float32 scale per output
     channel; activations rounded per token at run time), its decoder linears rounded by the function
-    `--quantization w8a8` uses, so both engines multiply the same integers. The LM head stays float in vLLM's
-    copy (compressed-tensors quantizes Linear layers only); ours rounds it too. Written once per model
-    directory and weights, under the cache root (`vllm-w8a8/`)."""
+    `--quantization w8a8` uses, so both engines multiply the same integers. The LM head stays float in both:
+    this copy's config ignores `lm_head`, and ours keeps it float unless `--quantize-lm-head`. Written once per
+    model directory and weights, under the cache root (`vllm-w8a8/`)."""
     from safetensors.torch import load_file, save_file
 
     from ecoserve.cache_dir import cache_root

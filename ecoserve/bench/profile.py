@@ -46,7 +46,7 @@ _GEMM_NAMESPACES = ("mkldnn::_linear", "onednn::qlinear", "mkldnn::_mkl_linear")
 _NATIVE = {"paged_decode": ATTENTION, "paged_prefill": ATTENTION, "rms_norm": ELEMENTWISE, "rotary_": ELEMENTWISE,
            "head_rms_norm_": ELEMENTWISE, "silu_and_mul": ELEMENTWISE, "quant_linear": GEMM, "dequantize": GEMM,
            "skinny_linear": GEMM, "moe_experts": GEMM, "lora_sgmv_": GEMM, "moe_route": ELEMENTWISE,
-           "quantize_per_token": GEMM, "scale_rows_to": GEMM}
+           "quantize_per_token": GEMM, "scale_rows_to": GEMM, "int8_gemm": GEMM}
 _BUILTIN = re.compile(r"built-in method ((?:\w+\.)*)(\w+)")
 # vLLM's CPU build (`--compare vllm --profile`): its custom ops, and the self time of the inductor-compiled graph
 # of everything else in its forward (norms, rotary, SiLU-mul and residual adds fused by torch.compile)

@@ -52,12 +52,13 @@ def _timed(fn, min_s: float, min_repeat: int = 3) -> float:
 
 
 def measure_gemm_peak(dtype: str, shape: tuple[int, int, int] = PEAK_SHAPE, min_s: float = 0.5) -> float:
-    """GFLOP/s of an (m x k) @ (k x n) GEMM through the model's prepacked oneDNN linear in `dtype`
-    (torch's F.linear where torch has no oneDNN), at torch's current thread count."""
+    """GFLOP/s of an (m x k) @ (k x n) GEMM through the path the model's linears take in `dtype`: the prepacked
+    oneDNN linear, or torch's F.linear where oneDNN does not run `dtype` here, at torch's current thread count."""
     import torch
     import torch.nn.functional as F
 
-    from ecoserve.model.packed import PackedLinear, onednn_available
+    from ecoserve.kernels.paths import onednn_linear
+    from ecoserve.model.packed import PackedLinear
 
     m, k, n = shape
     torch_dtype = getattr(torch, dtype)
@@ -65,7 +66,7 @@ def measure_gemm_peak(dtype: str, shape: tuple[int, int, int] = PEAK_SHAPE, min_
     x = torch.randn(m, k, generator=gen).to(torch_dtype)
     w = torch.randn(n, k, generator=gen).to(torch_dtype)
     with torch.inference_mode():
-        layer = PackedLinear(w, None) if onednn_available() else (lambda t: F.linear(t, w))
+        layer = PackedLinear(w, None) if onednn_linear(torch_dtype) else (lambda t: F.linear(t, w))
         seconds = _timed(lambda: layer(x), min_s)
     return 2 * m * k * n / seconds / 1e9
 

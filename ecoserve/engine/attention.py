@@ -19,20 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from ecoserve.engine.attention_metadata import AttentionMetadata, Span, build_metadata
-from ecoserve.kernels import cpu_flags, paged_decode, paged_prefill
+from ecoserve.kernels import paged_decode, paged_prefill
+from ecoserve.kernels.paths import sdpa_prefill_is_faster
 from ecoserve.engine.kv_cache import PagedKVCache
 
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # of q and of the cache, in any pairing
-
-
-def sdpa_prefill_is_faster(cache_dtype: torch.dtype) -> bool:
-    """Whether prompt chunks over a bf16 cache go faster through torch SDPA than the native kernel:
-    on a CPU with AMX-BF16 torch's flash attention runs its bf16 products on the matrix unit, which
-    measured 1.6-2.3x the native kernel's float32 multiply-adds for prompts of 256-1024 tokens (equal
-    at 64; one core, 12 heads over 4 kv heads of 64). Decodes stay native: they are memory-bound, and
-    SDPA would first gather their blocks."""
-    return cache_dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
 
 
 class PagedAttention:

@@ -116,7 +116,7 @@ class LLMEngine:
         loaded = load_model(config.model, dtype=config.dtype, device=config.device, revision=config.revision,
                             tokenizer=config.tokenizer, skip_tokenizer_init=config.skip_tokenizer_init,
                             weights=parallel.world_size == 1, quantization=config.quantization,
-                            cpu_linear=config.cpu_linear)
+                            cpu_linear=config.cpu_linear, quantize_lm_head=config.quantize_lm_head)
         self.loaded = loaded
         self.expert_pool = None
         if config.moe_resident_experts is not None:  # MoE experts placed between host and device memory

@@ -19,81 +19,32 @@ None and MoE layers run one oneDNN (or torch) GEMM pair per active expert, `lora
 and LoRA modules run torch GEMMs per adapter slot, and `skinny_linear()` returns None and decode rows go
 through oneDNN's GEMM like any others.
 
-`ECOSERVE_KERNEL_ISA=avx2` (or the `isa` argument of the loaders) builds for a lower instruction set
-than this CPU's, AVX2 + FMA without AVX-512, AVX-VNNI or AMX, into its own folder: tests run the AVX2
-paths on an AVX-512 machine with it. The attention kernels and fused ops take bfloat16 rows on any
+`ECOSERVE_CPU_ISA=avx2` or `avx512` (or the `isa` argument of the loaders) builds for a lower instruction
+set than this CPU's into its own folder (kernels/cpu.py: the same switch lowers every kernel choice, oneDNN's
+and ATen's): tests run the AVX2 paths on an AVX-512 machine with it. The attention kernels and fused ops take bfloat16 rows on any
 build (the loads widen them with plain AVX2 or AVX-512F instructions), so a CPU without bf16
 instructions runs them too.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import platform
 import shutil
 import time
 from pathlib import Path
 
 from ecoserve.cache_dir import cache_root
+from ecoserve.kernels.cpu import ISA_ENV, LEVELS, apply_isa_limits, cpu_flags, isa_tag, lowered_flags, target_isa
+
+__all__ = ["ISA_ENV", "cpu_flags", "distinct_builds", "isa_tag", "target_isa", "fused_ops", "lora_sgmv", "moe_experts", "paged_decode",
+           "paged_prefill", "quant_matmul", "skinny_linear"]
+apply_isa_limits()
 
 logger = logging.getLogger(__name__)
 
 
 _STALE_LOCK_S = 300  # a build holding its lock longer than this was killed: torch would wait forever
-
-
-# the features that name a build; the digest of every instruction-set flag tells the rest apart
-_NAMED_FEATURES = {"avx512_bf16": "bf16", "avx512_vnni": "vnni", "avx_vnni": "avxvnni", "avx512_fp16": "fp16",
-                   "amx_tile": "amx"}
-_ISA_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "adx", "abm", "lzcnt", "popcnt", "movbe",
-                 "aes", "vaes", "pclmul", "vpclmul", "gfni", "sha", "neon", "asimd", "sve", "fp", "i8mm", "bf16")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (x86 `flags`, Arm `Features`); empty elsewhere."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
-
-
-def isa_tag() -> str:
-    """A short name of the instruction set a `-march=native` build targets here, e.g.
-    `avx512-bf16-vnni-1a2b3c4d`: the vector width, the features the kernels use by name, and a
-    digest of every instruction-set flag (the compiler may use any of them)."""
-    flags = cpu_flags()
-    if not flags:  # no /proc/cpuinfo: torch's view of the vector unit is the best there is
-        import torch
-
-        return f"{platform.machine().lower()}-{torch.backends.cpu.get_cpu_capability().lower()}"
-    width = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else platform.machine().lower()
-    named = [name for flag, name in _NAMED_FEATURES.items() if flag in flags]
-    isa = sorted(f for f in flags if f.startswith(_ISA_PREFIXES))
-    digest = hashlib.sha1(" ".join(isa).encode()).hexdigest()[:8]
-    return "-".join([width, *named, digest])
-
-
-# lower instruction sets a build can target on a CPU that has more: name -> (CPU flags it needs,
-# compiler flags after -march=native). -mno-avx512f turns off every AVX-512 extension with it.
-_LOWER_ISAS = {"avx2": (frozenset({"avx2", "fma"}), ["-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile",
-                                                     "-mno-amx-int8", "-mno-amx-bf16"])}
-ISA_ENV = "ECOSERVE_KERNEL_ISA"
-
-
-def target_isa(isa: str | None = None) -> str:
-    """The instruction set to build for: `isa`, else $ECOSERVE_KERNEL_ISA, else `native` (this CPU's)."""
-    isa = (isa or os.environ.get(ISA_ENV) or "native").lower()
-    if isa != "native" and isa not in _LOWER_ISAS:
-        raise ValueError(f"{ISA_ENV}={isa!r}: expected native or one of {sorted(_LOWER_ISAS)}")
-    return isa
 
 
 def _build_dir(source: str = "", isa: str = "native") -> Path:
@@ -133,7 +84,7 @@ def _load(source: str, what: str, exact: bool = False, isa: str = "native"):
         return None
     lower = []
     if isa != "native":
-        needs, lower = _LOWER_ISAS[isa]
+        needs, lower = LEVELS[isa].needs, list(LEVELS[isa].compiler_flags)
         if not needs <= cpu_flags():  # a binary for an instruction set this CPU lacks would crash on load
             logger.warning("native CPU %s kernel for %s unavailable: this CPU lacks %s; using %s", source, isa,
                            " ".join(sorted(needs - cpu_flags())), what)
@@ -155,10 +106,26 @@ def _load(source: str, what: str, exact: bool = False, isa: str = "native"):
         return None
 
 
+def _build_isa(isa: str | None) -> str:
+    """The level to build for: `target_isa`, or native where this CPU has nothing above that level (the same
+    binary: an AVX2-only machine lowered to avx2 reuses its native builds)."""
+    isa = target_isa(isa)
+    return "native" if isa != "native" and lowered_flags(cpu_flags(), isa) == cpu_flags() else isa
+
+
+def distinct_builds(levels: tuple[str, ...] = ("native", "avx2")) -> list[str]:
+    """The levels among `levels` whose builds differ here (the first of each): on an AVX2-only machine the
+    avx2 build is the native one, so a test of both would run the same binary twice."""
+    first: dict[str, str] = {}
+    for level in levels:
+        first.setdefault(_build_isa(level), level)
+    return list(first.values())
+
+
 def paged_decode(isa: str | None = None):
     """The compiled `paged_decode(q, k_cache, v_cache, tables, lens, scale)`, or None. q (and the
     result) and the cache are each float32 or bfloat16."""
-    module = _load("paged_decode", "torch SDPA", isa=target_isa(isa))
+    module = _load("paged_decode", "torch SDPA", isa=_build_isa(isa))
     return module.paged_decode if module is not None else None
 
 
@@ -166,19 +133,19 @@ def paged_prefill(isa: str | None = None):
     """The compiled `paged_prefill(q, k_cache, v_cache, out, tables, spans, scale)`, or None (also
     where the compiler targets neither AVX2 nor AVX-512). q and out share a dtype, float32 or
     bfloat16; the cache is either."""
-    module = _load("paged_prefill", "torch SDPA", isa=target_isa(isa))
+    module = _load("paged_prefill", "torch SDPA", isa=_build_isa(isa))
     return module.paged_prefill if module is not None and module.has_simd() else None
 
 
 def fused_ops(isa: str | None = None):
     """The compiled module with `rms_norm`, `head_rms_norm_`, `rotary_` and `silu_and_mul` (float32 or bfloat16
     rows) and `moe_route` (a router's top-k from its logits), or None."""
-    return _load("fused_ops", "torch elementwise ops", exact=True, isa=target_isa(isa))
+    return _load("fused_ops", "torch elementwise ops", exact=True, isa=_build_isa(isa))
 
 
 def quant_matmul(isa: str | None = None):
     """The compiled module with `quant_linear(x, w, qtype)` and `dequantize(w, qtype, K)`, or None."""
-    return _load("quant_matmul", "torch dequantization", isa=target_isa(isa))
+    return _load("quant_matmul", "torch dequantization", isa=_build_isa(isa))
 
 
 def moe_experts(isa: str | None = None):
@@ -186,17 +153,17 @@ def moe_experts(isa: str | None = None):
     routed experts in one call), `pack_experts(w)`, `unpack_experts(packed, N, K)` and `supports(dtype)`,
     or None. Its GEMMs are PyTorch's oneDNN brgemm micro-kernels, which pick the CPU's matrix unit at run
     time whatever `isa` the surrounding code is built for."""
-    return _load("moe_experts", "the per-expert oneDNN GEMMs", exact=True, isa=target_isa(isa))
+    return _load("moe_experts", "the per-expert oneDNN GEMMs", exact=True, isa=_build_isa(isa))
 
 
 def skinny_linear(isa: str | None = None):
     """The compiled module with `fit(packed, weight)` (the layout of oneDNN's prepacked weight, or zeros) and
     `skinny_linear(x, packed, bias, N, NB, V, Kp)` (a few rows times that weight), or None."""
-    return _load("skinny_linear", "oneDNN's GEMM for decode rows", isa=target_isa(isa))
+    return _load("skinny_linear", "oneDNN's GEMM for decode rows", isa=_build_isa(isa))
 
 
 def lora_sgmv(isa: str | None = None):
     """The compiled `lora_sgmv_(y, x, a, b, rows, bounds, slots, widths)` (every adapter segment of a step in one
     call, through torch's cpublas micro-kernels), or None."""
-    module = _load("lora_sgmv", "torch GEMMs per adapter slot", isa=target_isa(isa))
+    module = _load("lora_sgmv", "torch GEMMs per adapter slot", isa=_build_isa(isa))
     return module.lora_sgmv_ if module is not None else None

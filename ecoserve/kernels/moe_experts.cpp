@@ -305,13 +305,14 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor ids, torch::Tensor weig
                           torch::Tensor down, int64_t inter, int64_t first) {
   TORCH_CHECK(x.dim() == 2 && (x.dtype() == at::kFloat || x.dtype() == at::kBFloat16),
               "moe_experts: x must be float32 or bfloat16 [T, H], got ", x.dtype(), " ", x.sizes());
-  TORCH_CHECK(supports(x.scalar_type()), "moe_experts: this CPU has no brgemm micro-kernel for ", x.dtype());
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong,
               "moe_experts: ids must be int64 [T, k] with x's T, got ", ids.dtype(), " ", ids.sizes());
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_floating_point(),
               "moe_experts: weights must be floating [T, k] like ids, got ", weights.dtype(), " ", weights.sizes());
   check_packed(gate_up, x, "gate_up");
   check_packed(down, x, "down");
+  // after the checks of the inputs: a bad call is told so on every CPU, whatever it can run
+  TORCH_CHECK(supports(x.scalar_type()), "moe_experts: this CPU has no brgemm micro-kernel for ", x.dtype());
   const bool bf16 = x.dtype() == at::kBFloat16;
   const int64_t H = x.size(1), E = gate_up.size(0);
   TORCH_CHECK(inter > 0 && gate_up.size(1) == 2 * blocks(inter) && gate_up.size(2) == packed_k(H, bf16) * BN,

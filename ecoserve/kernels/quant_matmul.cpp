@@ -332,13 +332,77 @@ torch::Tensor dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
   return out;
 }
 
-// W8A8 (per-token int8 activations, per-output-channel int8 weights; the int8 GEMM between them is
-// oneDNN's, AMX-INT8 / VNNI). These two are the float passes around it, one read of each operand
-// instead of torch's chain of elementwise ops.
+// W8A8 (per-token int8 activations, per-output-channel int8 weights). The int8 GEMM is oneDNN's where the
+// CPU has int8 dot products (AMX-INT8 / VNNI), else `int8_gemm` below; `quantize_per_token` and
+// `scale_rows_to` are the float passes around it, one read of each operand instead of torch's chain of
+// elementwise ops.
 
 namespace {
 
 using namespace ecoserve_simd;
+
+// Activation rows x [M, K] against weight rows w [N, K], into out [M, N] int32: MR rows of x by NR rows of w
+// per tile, so each loaded vector feeds several products and the accumulators stay in registers.
+#ifdef ECOSERVE_SIMD_INT8
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// maddubs multiplies unsigned by signed bytes and sums each pair in int16, saturating: it gets |w| (<= 128)
+// and x with w's sign (|x| <= 127, so the sign moves exactly), which bounds a pair by 2 * 128 * 127 = 32512,
+// so nothing saturates (oneDNN's AVX2 kernels pass unsigned activations up to 255, and do); the pairs
+// are then summed in int32 (VNNI builds: vpdpbusd, exact as well).
+template <int64_t MR, int64_t NR>
+inline void int8_tile(const int8_t* x, const int8_t* w, int64_t K, int32_t* out, int64_t N) {
+  __m256i acc[MR][NR];
+  for (int64_t m = 0; m < MR; ++m)
+    for (int64_t n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_si256();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m256i wv[NR], u[NR];
+    for (int64_t n = 0; n < NR; ++n) {
+      wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k));
+      u[n] = _mm256_abs_epi8(wv[n]);
+    }
+    for (int64_t m = 0; m < MR; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k));
+      for (int64_t n = 0; n < NR; ++n)
+        acc[m][n] = _mm256_add_epi32(acc[m][n], dot_u8s8(u[n], _mm256_sign_epi8(xv, wv[n])));
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m)
+    for (int64_t n = 0; n < NR; ++n) {
+      int32_t s = hsum_epi32(acc[m][n]);
+      for (int64_t j = k; j < K; ++j) s += int32_t(x[m * K + j]) * w[n * K + j];
+      out[m * N + n] = s;
+    }
+}
+#else
+template <int64_t MR, int64_t NR>
+inline void int8_tile(const int8_t* x, const int8_t* w, int64_t K, int32_t* out, int64_t N) {
+  for (int64_t m = 0; m < MR; ++m)
+    for (int64_t n = 0; n < NR; ++n) {
+      int32_t s = 0;
+      for (int64_t j = 0; j < K; ++j) s += int32_t(x[m * K + j]) * w[n * K + j];
+      out[m * N + n] = s;
+    }
+}
+#endif
+
+// Rows [m0, m1) of x against NR rows of w: tiles of 4 rows (4 x 2 measured fastest of 4x2, 2x4, 3x3, 2x3).
+template <int64_t NR>
+void int8_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t* out, int64_t N, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) int8_tile<4, NR>(x + m * K, w, K, out + m * N, N);
+  switch (m1 - m) {
+    case 3: int8_tile<3, NR>(x + m * K, w, K, out + m * N, N); break;
+    case 2: int8_tile<2, NR>(x + m * K, w, K, out + m * N, N); break;
+    case 1: int8_tile<1, NR>(x + m * K, w, K, out + m * N, N); break;
+  }
+}
 
 // max|x_row| / 127 divided as torch divides: this file's -ffast-math would otherwise multiply by a rounded 1/127,
 // one float32 step off torch's scale for some rows
@@ -371,23 +435,69 @@ void quantize_rows(const T* xp, int8_t* qp, float* sp, int64_t M, int64_t K) {
   });
 }
 
-template <typename To>
-void scale_rows_into(const float* op, const float* xs, const float* bp, To* dp, int64_t M, int64_t N) {
+// dst = out * w_scale[n] (if given) * x_scale[m] (+ bias[n]); out float32 or int32 (the exact int8 GEMM's sums)
+template <typename Ti, typename To>
+void scale_rows_into(const Ti* op, const float* xs, const float* ws, const float* bp, To* dp, int64_t M, int64_t N) {
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const float* o = op + m * N;
+      const Ti* o = op + m * N;
       To* d = dp + m * N;
       const float s = xs[m];
-      if (bp != nullptr) {
-        for (int64_t n = 0; n < N; ++n) d[n] = from_float<To>(o[n] * s + bp[n]);
-      } else {
-        for (int64_t n = 0; n < N; ++n) d[n] = from_float<To>(o[n] * s);
+      for (int64_t n = 0; n < N; ++n) {
+        float v = static_cast<float>(o[n]);
+        if (ws != nullptr) v *= ws[n];
+        v *= s;
+        if (bp != nullptr) v += bp[n];
+        d[n] = from_float<To>(v);
       }
     }
   });
 }
 
+template <typename Ti>
+void scale_rows_into(const Ti* op, const float* xs, const float* ws, const float* bp, torch::Tensor& dst, int64_t M,
+                     int64_t N) {
+  if (dst.dtype() == torch::kBFloat16)
+    scale_rows_into(op, xs, ws, bp, dst.data_ptr<c10::BFloat16>(), M, N);
+  else
+    scale_rows_into(op, xs, ws, bp, dst.data_ptr<float>(), M, N);
+}
+
 }  // namespace
+
+// x [M, K] int8 @ w [N, K]^T int8 -> int32 [M, N], exact: W8A8's GEMM where oneDNN's would saturate. x must
+// lie within +/-127 (as quantize_per_token writes it; -128 has no negation), w may be any int8.
+torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dtype() == torch::kInt8 && w.dtype() == torch::kInt8 && x.dim() == 2 && w.dim() == 2 &&
+              x.size(1) == w.size(1), "int8_gemm: x [M, K] and w [N, K] must be 2-D int8 with the same K");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  // int32 holds K products of at most 128 * 127
+  TORCH_CHECK(K <= 131072, "int8_gemm: K = ", K, " could overflow the int32 sums (at most 131072)");
+  const int8_t* xp = x.data_ptr<int8_t>();
+  TORCH_CHECK(std::find(xp, xp + M * K, int8_t(-128)) == xp + M * K, "int8_gemm: x must lie within +/-127");
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kInt32));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  int32_t* op = out.data_ptr<int32_t>();
+  constexpr int64_t NR = 2;
+  // activation rows per pass over the weight: 128 KiB of them stay in L2 while each weight pair, read once
+  // per pass, stays in L1
+  const int64_t MC = std::max<int64_t>(4, (131072 / std::max<int64_t>(K, 1)) / 4 * 4);
+  at::parallel_for(0, (N + NR - 1) / NR, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += MC) {
+      const int64_t m1 = std::min(M, m0 + MC);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * NR;
+        if (n0 + NR <= N)
+          int8_rows<NR>(xp, wp + n0 * K, K, op + n0, N, m0, m1);
+        else
+          int8_rows<1>(xp, wp + n0 * K, K, op + n0, N, m0, m1);
+      }
+    }
+  });
+  return out;
+}
 
 // x [M, K] float32 or bfloat16 -> (int8 [M, K], float32 [M]): each row rounded to int8 with scale
 // max|x_row| / 127.
@@ -405,28 +515,31 @@ std::vector<torch::Tensor> quantize_per_token(torch::Tensor x) {
   return {q, scale};
 }
 
-// out [M, N] float32 -> dst [M, N] (float32, which may be out itself, or bfloat16, rounded once):
-// out[m, n] * x_scale[m] (+ bias[n]), the per-token scales of an int8 GEMM whose per-channel weight
-// scales oneDNN has applied.
-void scale_rows_to(torch::Tensor out, torch::Tensor x_scale, c10::optional<torch::Tensor> bias, torch::Tensor dst) {
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.dim() == 2 && out.is_contiguous(),
-              "scale_rows_to: out must be a contiguous 2-D float32 tensor");
+// out [M, N] -> dst [M, N] (float32, which may be out itself, or bfloat16, rounded once): out[m, n] (* w_scale[n])
+// * x_scale[m] (+ bias[n]), the scales of an int8 GEMM: out is oneDNN's float32, its per-channel weight scales
+// applied, or int8_gemm's int32 sums with w_scale.
+void scale_rows_to(torch::Tensor out, torch::Tensor x_scale, c10::optional<torch::Tensor> bias, torch::Tensor dst,
+                   c10::optional<torch::Tensor> w_scale) {
+  TORCH_CHECK((out.dtype() == torch::kFloat32 || out.dtype() == torch::kInt32) && out.dim() == 2 &&
+              out.is_contiguous(), "scale_rows_to: out must be a contiguous 2-D float32 or int32 tensor");
   const int64_t M = out.size(0), N = out.size(1);
   TORCH_CHECK(x_scale.dtype() == torch::kFloat32 && x_scale.numel() == M && x_scale.is_contiguous(),
               "scale_rows_to: x_scale must be contiguous float32 [M]");
   TORCH_CHECK((dst.dtype() == torch::kFloat32 || dst.dtype() == torch::kBFloat16) && dst.is_contiguous() &&
               dst.sizes() == out.sizes(), "scale_rows_to: dst must be a contiguous float32 or bfloat16 tensor shaped "
               "like out");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
-                "scale_rows_to: bias must be contiguous float32 [N]");
-    bp = bias->data_ptr<float>();
-  }
-  if (dst.dtype() == torch::kBFloat16)
-    scale_rows_into(out.data_ptr<float>(), x_scale.data_ptr<float>(), bp, dst.data_ptr<c10::BFloat16>(), M, N);
+  const auto per_channel = [N](const c10::optional<torch::Tensor>& t, const char* name) -> const float* {
+    if (!t.has_value() || !t->defined()) return nullptr;
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->numel() == N && t->is_contiguous(),
+                "scale_rows_to: ", name, " must be contiguous float32 [N]");
+    return t->data_ptr<float>();
+  };
+  const float* bp = per_channel(bias, "bias");
+  const float* ws = per_channel(w_scale, "w_scale");
+  if (out.dtype() == torch::kInt32)
+    scale_rows_into(out.data_ptr<int32_t>(), x_scale.data_ptr<float>(), ws, bp, dst, M, N);
   else
-    scale_rows_into(out.data_ptr<float>(), x_scale.data_ptr<float>(), bp, dst.data_ptr<float>(), M, N);
+    scale_rows_into(out.data_ptr<float>(), x_scale.data_ptr<float>(), ws, bp, dst, M, N);
 }
 
 // The integer dot path this build compiled: tests check each one, the engine logs it.
@@ -447,5 +560,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear);
   m.def("dequantize", &dequantize);
   m.def("quantize_per_token", &quantize_per_token);
-  m.def("scale_rows_to", &scale_rows_to, py::arg("out"), py::arg("x_scale"), py::arg("bias"), py::arg("dst"));
+  m.def("int8_gemm", &int8_gemm);
+  m.def("scale_rows_to", &scale_rows_to, py::arg("out"), py::arg("x_scale"), py::arg("bias"), py::arg("dst"),
+        py::arg("w_scale") = py::none());
 }

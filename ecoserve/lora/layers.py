@@ -28,19 +28,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ecoserve.kernels import cpu_flags, lora_sgmv
+from ecoserve.kernels import lora_sgmv, paths
 from ecoserve.lora.checkpoint import FUSED_SLICES, LoRATargets, ModuleShape
 
 
 def native_sgmv(dtype: torch.dtype, device: torch.device):
     """The native all-segments kernel where torch's cpublas micro-kernels run `dtype` on this CPU, else None."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
-        return None
-    if dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags():
-        return None  # the slots' pair-interleaved layout is the one AMX's micro-kernels read
-    if dtype not in (torch.float32, torch.bfloat16) or "avx2" not in cpu_flags():
-        return None
-    return lora_sgmv()
+    return lora_sgmv() if device.type == "cpu" and paths.native_lora(dtype) else None
 
 
 @dataclass

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from ecoserve.config import QUANTIZATIONS
-from ecoserve.kernels import cpu_flags
+from ecoserve.config import QUANTIZATIONS, check_quantize_lm_head
+from ecoserve.kernels import paths
+from ecoserve.kernels.cpu import CpuCapabilities
 from ecoserve.model.parallel import ShardPlan, StageLink, TPComm
 from ecoserve.model.quant import describe_weights, quantize_linears_int8, quantize_model_modules, weight_bytes
 from ecoserve.model.registry import get_model_class
@@ -40,30 +41,23 @@ class LoadedModel:
     quantization: str | None = None  # "gguf" | "int8" | "w8a8" | None (float weights)
 
 
-# x86 flags of the instructions that make bfloat16 GEMMs fast (oneDNN uses AMX, else AVX512-BF16)
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 _HALF_CHECKPOINTS = ("bfloat16", "float16")
-
-
-def cpu_has_bf16(flags: frozenset[str] | None = None) -> bool:
-    """Whether this CPU (or one with these /proc/cpuinfo `flags`) has bfloat16 instructions."""
-    return bool(BF16_CPU_FLAGS & (cpu_flags() if flags is None else flags))
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
                   checkpoint_dtype: str | None = None, quantization: str | None = None,
-                  flags: frozenset[str] | None = None) -> torch.dtype:
+                  caps: CpuCapabilities | None = None) -> torch.dtype:
     """The dtype of weights and activations. 'auto' follows vLLM's CPU backend: on a CPU with bf16
     instructions a bfloat16 or float16 checkpoint runs in bfloat16 (oneDNN/AMX GEMMs several times
     float32's), anything else in float32; so does `w8a8` (vLLM's CPU W8A8 runs bfloat16 activations),
     while the block-quantized weights (`int8`, `gguf`) always take float32 activations. On
-    accelerators: the checkpoint's half dtype, else bfloat16. `flags`: the CPU's (tests pass their own)."""
+    accelerators: the checkpoint's half dtype, else bfloat16. `caps`: the CPU's (tests describe others)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if torch.device(device).type != "cpu":
             return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
-        if quantization in (None, "none", "w8a8") and checkpoint_dtype in _HALF_CHECKPOINTS and cpu_has_bf16(flags):
+        if quantization in (None, "none", "w8a8") and checkpoint_dtype in _HALF_CHECKPOINTS and paths.bf16_is_fast(caps):
             return torch.bfloat16
         return torch.float32
     if dtype not in _DTYPES:
@@ -72,11 +66,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
 
 
 def warn_if_slow_bf16(dtype: torch.dtype, device: str | torch.device = "cpu",
-                      flags: frozenset[str] | None = None) -> bool:
+                      caps: CpuCapabilities | None = None) -> bool:
     """Log one line when bfloat16 runs on a CPU without bf16 instructions (it works, converting in software)."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or cpu_has_bf16(flags):
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or paths.bf16_is_fast(caps):
         return False
-    logger.warning("bfloat16 on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16 in /proc/cpuinfo): it "
+    logger.warning("bfloat16 on a CPU without bf16 instructions (no AVX512-BF16 or AMX-BF16): it "
                    "runs, but slower than float32 here; --dtype float32 (or auto) is faster on this machine")
     return True
 
@@ -263,11 +257,13 @@ def load_model_info(model: str | None, *, revision: str | None = None, tokenizer
 def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: str = "cpu",
                revision: str | None = None, tokenizer: str | None = None,
                skip_tokenizer_init: bool = False, weights: bool = True,
-               quantization: str | None = None, cpu_linear: str = "auto") -> LoadedModel:
+               quantization: str | None = None, cpu_linear: str = "auto",
+               quantize_lm_head: bool = False) -> LoadedModel:
     """Load weights, tokenizer (unless skipped: then None) and serving facts.
 
     `model`: directory, .gguf, hub id, or None (embedded). weights=False: everything but the weights
-    (`model` is None); parallel workers load their own shards. `quantization`: see `resolve_quantization`.
+    (`model` is None); parallel workers load their own shards. `quantization`: see `resolve_quantization`;
+    `quantize_lm_head`: under w8a8 the LM head is int8 too (else it stays float, as vLLM's W8A8 keeps it).
     `cpu_linear="onednn"`: float32 and bfloat16 linear layers on CPU run prepacked oneDNN weights
     (model/packed.py); "auto" does so where torch has oneDNN (2x torch's float32 GEMM per core here,
     docs/benchmarks.md); bfloat16 layers where oneDNN supports bf16 on this CPU either way.
@@ -275,6 +271,7 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
     resolve_dtype(dtype)  # reject a bad name before any download or conversion
     source = gguf_file(model)
     quantization = resolve_quantization(quantization, dtype, source is not None, device)
+    check_quantize_lm_head(quantization, quantize_lm_head)
     if (quantization is not None or cpu_linear == "onednn") and not weights:
         raise ValueError("--quantization and --cpu-linear onednn run in a single-process instance, not under TP/PP")
     info = load_model_info(model, revision=revision, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init)
@@ -289,14 +286,18 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
         info.model = _build_gguf_quantized(source, spec, info.path, device)
     else:
         resolved = resolve_dtype(dtype, device, spec.torch_dtype, quantization)
-        warn_if_slow_bf16(resolved, device)
+        if not warn_if_slow_bf16(resolved, device) and dtype == "auto" and resolved == torch.float32 \
+                and spec.torch_dtype in _HALF_CHECKPOINTS and torch.device(device).type == "cpu":
+            logger.info("--dtype auto: float32 for this %s checkpoint, since this CPU has no bf16 dot products "
+                        "(AVX512-BF16 or AMX-BF16); bfloat16 would convert in software and run slower",
+                        spec.torch_dtype)
         info.model = build_model(spec, info.path, resolved, device)
         if quantization == "int8":
             quantize_linears_int8(info.model)
         elif quantization == "w8a8":
             from ecoserve.model.w8a8 import quantize_linears_w8a8
 
-            quantize_linears_w8a8(info.model)
+            quantize_linears_w8a8(info.model, lm_head=quantize_lm_head)
     from ecoserve.model.packed import onednn_available, pack_linears, pack_moe_experts
 
     if cpu_linear == "onednn" and not onednn_available():

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ecoserve.kernels import moe_experts, skinny_linear
+from ecoserve.kernels import moe_experts, paths, skinny_linear
+from ecoserve.kernels.paths import onednn_available, packable_dtypes
 from ecoserve.model.moe import fused_experts
 
 _PACK_BATCH_HINT = 128  # the batch size oneDNN's reorder tunes the layout for; any batch runs
@@ -110,11 +111,7 @@ class NativeExperts(nn.Module):
         self.register_buffer("gate_up", torch.cat([kernel.pack_experts(gate), kernel.pack_experts(up)], dim=1))
         self.register_buffer("down", kernel.pack_experts(w_down.detach().contiguous()))
 
-    @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        """The kernel builds here and runs `dtype` through brgemm (bfloat16 needs AMX's packed layout)."""
-        kernel = moe_experts()
-        return kernel is not None and dtype in (torch.float32, torch.bfloat16) and kernel.supports(dtype)
+    supports = staticmethod(paths.native_experts)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 first_expert: int = 0) -> torch.Tensor:
@@ -128,19 +125,6 @@ class NativeExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, {str(self.down.dtype).removeprefix('torch.')} packed for brgemm"
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available()
-
-
-def onednn_bf16_supported() -> bool:
-    """oneDNN runs bfloat16 natively on this CPU (AVX512-BF16 or AMX; AVX-512 BW at the least)."""
-    return onednn_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def packable_dtypes() -> frozenset[torch.dtype]:
-    return frozenset({torch.float32, torch.bfloat16} if onednn_bf16_supported() else {torch.float32})
 
 
 def pack_linears(model: nn.Module) -> int:

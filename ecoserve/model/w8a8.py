@@ -2,16 +2,19 @@
 activations with one scale per token computed at run time, and an int8 x int8 -> int32 GEMM.
 
 The GEMM is oneDNN's int8 matmul through torch (`torch.ops.onednn.qlinear_pointwise` on a weight
-prepacked once by `qlinear_prepack`): AMX-INT8 tiles or AVX512-VNNI / AVX-VNNI dot products where the
-CPU has them. oneDNN applies the per-channel weight scales; torch's wrapper takes one activation scale
-per tensor only, so the GEMM runs with scale 1 and the native `quant_matmul` kernel applies the
-per-token scales (and the bias) in one pass over the output, after rounding the activations in one
-pass over the input. Without oneDNN the GEMM is `torch._int_mm` on the plain int8 weight; without
-the native kernel, torch ops do the float passes (the same rounding, bit for bit).
+prepacked once by `qlinear_prepack`) where the CPU has int8 dot products (AMX-INT8 tiles, AVX512-VNNI or
+AVX-VNNI; `paths.w8a8_onednn`). Without them oneDNN's x86 kernels sum pairs of products in int16 and
+saturate, so there the weight stays plain and the native `quant_matmul.int8_gemm` multiplies it exactly
+(AVX2 maddubs on |w| and x with w's sign, which cannot saturate), or `torch._int_mm` without the native
+kernel. oneDNN applies the per-channel weight scales; torch's wrapper takes one activation scale per
+tensor only, so the GEMM runs with scale 1 and the native `quant_matmul` kernel applies the per-token
+scales (and the bias) in one pass over the output, after rounding the activations in one pass over the
+input; without the native kernel, torch ops do the float passes (the same rounding, bit for bit).
 
 Where it pays: compute-bound batches (prefill, offline throughput), where the int8 GEMM does several
 times the float32 GEMM's multiply-adds per second. Batch-1 decode is memory-bound and gains more
 from `--quantization int8`'s Q8_0 block kernel (model/quant.py), which reads a quarter of float32's bytes.
+The LM head stays float unless asked (`--quantize-lm-head`), as vLLM's W8A8 checkpoints keep it.
 """
 from __future__ import annotations
 
@@ -21,10 +24,11 @@ import logging
 import torch
 from torch import nn
 
+from ecoserve.kernels import paths
+
 logger = logging.getLogger(__name__)
 
-# the CPU features with which oneDNN's int8 GEMM multiplies int8 in hardware (else it widens to int16/32)
-INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+LM_HEAD = "lm_head"  # the LM head's module name in every model (model/llama.py)
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,6 +36,21 @@ def _native():
     from ecoserve.kernels import quant_matmul
 
     return quant_matmul()
+
+
+def _onednn_refusal() -> str:
+    """Why W8A8 may not use oneDNN's int8 GEMM here (where `paths.w8a8_onednn()` is False)."""
+    if not paths.onednn_available():
+        return "torch has no oneDNN"
+    return "this CPU has no int8 dot-product instructions (VNNI, AMX-INT8), so oneDNN's int16 pair sums would saturate"
+
+
+def int8_matmul(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] @ int8 [N, K]^T -> int32 [M, N], exact on every CPU: the native kernel (25-35x faster than
+    `torch._int_mm` on the AVX2 EPYC of docs/benchmarks.md), else `torch._int_mm`. `xq` within +/-127, as the
+    per-token rounding writes it."""
+    native = _native()
+    return native.int8_gemm(xq, w) if native is not None else torch._int_mm(xq, w.t())
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,24 +96,36 @@ class W8A8Linear(nn.Module):
         return layer
 
     def pack(self) -> None:
-        """Reorder the weight once into oneDNN's blocked layout (any batch size; the plain copy is dropped)."""
+        """Reorder the weight once into oneDNN's blocked layout (any batch size; the plain copy is dropped).
+        Refused where `paths.w8a8_onednn()` says no: there oneDNN's int8 GEMM gives wrong sums."""
+        if not paths.w8a8_onednn():
+            raise ValueError(f"W8A8Linear.pack: oneDNN's int8 GEMM is refused here: {_onednn_refusal()}; the "
+                             f"layer stays unpacked, on the exact int8 GEMM")
         self.weight = nn.Parameter(torch.ops.onednn.qlinear_prepack(self.weight.data, None), requires_grad=False)
         self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
         self.packed = True
+
+    def gemm(self, xq: torch.Tensor) -> torch.Tensor:
+        """The layer's int8 GEMM on rounded activations [M, K]: the exact int32 sums, or once packed oneDNN's
+        float32 with the weight scales applied (torch's wrapper returns no int32)."""
+        if self.packed:
+            return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, self.weight, self.weight_scale, self._zero_points,
+                                                      None, 1.0, 0, torch.float32, "none", [], "")
+        return int8_matmul(xq, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         native = _native()
         xq, x_scale = native.quantize_per_token(flat) if native is not None else quantize_per_token_torch(flat.float())
-        if self.packed:
-            out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, self.weight, self.weight_scale, self._zero_points,
-                                                     None, 1.0, 0, torch.float32, "none", [], "")
+        out = self.gemm(xq)
+        w_scale = None if self.packed else self.weight_scale
+        if native is not None:  # the scales, the bias and the rounding to x's dtype in one pass
+            result = out if out.dtype == x.dtype else torch.empty_like(out, dtype=x.dtype)
+            native.scale_rows_to(out, x_scale, self.bias, result, w_scale)
         else:
-            out = torch._int_mm(xq, self.weight.t()).float() * self.weight_scale
-        if native is not None:  # the per-token scales, the bias and the rounding to x's dtype in one pass
-            result = out if x.dtype == torch.float32 else torch.empty_like(out, dtype=x.dtype)
-            native.scale_rows_to(out, x_scale, self.bias, result)
-        else:
+            out = out.float()
+            if w_scale is not None:
+                out *= w_scale
             out *= x_scale[:, None]
             if self.bias is not None:
                 out += self.bias
@@ -102,25 +133,23 @@ class W8A8Linear(nn.Module):
         return result.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        how = "oneDNN-packed" if self.packed else "torch._int_mm"
+        how = "oneDNN-packed" if self.packed else "native int8 GEMM" if _native() is not None else "torch._int_mm"
         return f"in={self.in_features}, out={self.out_features}, int8 per-channel x int8 per-token, {how}"
 
 
-def quantize_linears_w8a8(model: nn.Module) -> int:
-    """`--quantization w8a8`: every single-process linear layer (the LM head included; a tied one gets its
-    own int8 copy, the embedding stays float) becomes a W8A8Linear. Returns how many."""
-    from ecoserve.kernels import cpu_flags
+def quantize_linears_w8a8(model: nn.Module, lm_head: bool = False) -> int:
+    """`--quantization w8a8`: every single-process linear layer becomes a W8A8Linear, the LM head only with
+    `lm_head` (`--quantize-lm-head`; a tied one then gets its own int8 copy, the embedding stays float).
+    Returns how many."""
     from ecoserve.model.quant import _is_linear, _replace
 
-    if not any(flag in cpu_flags() for flag in INT8_DOT_FLAGS):
-        logger.warning("--quantization w8a8: this CPU has no int8 dot-product instructions (%s); the int8 GEMM "
-                       "runs, slower than on a CPU with them", ", ".join(INT8_DOT_FLAGS))
-    from ecoserve.model.packed import onednn_available
-
-    pack = onednn_available()
+    pack = paths.w8a8_onednn()
+    gemm = "the native int8 GEMM" if _native() is not None else "torch._int_mm"
+    logger.info("--quantization w8a8: int8 GEMM through %s", "oneDNN's prepacked int8 matmul (int8 dot products "
+                "in hardware)" if pack else f"{gemm}, exact ({_onednn_refusal()})")
     count = 0
     for name, module in list(model.named_modules()):
-        if _is_linear(module):
+        if _is_linear(module) and (lm_head or name.rpartition(".")[2] != LM_HEAD):
             layer = W8A8Linear.from_linear(module)
             if pack:
                 layer.pack()

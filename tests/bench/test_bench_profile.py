@@ -12,7 +12,8 @@ from ecoserve.bench import roofline
 from ecoserve.bench.profile import (ATTENTION, CATEGORIES, ELEMENTWISE, GEMM, REST, SAMPLING, Breakdown, op_category,
                                     profile_run, side_by_side)
 from ecoserve.bench.roofline import Roofline, Work
-from ecoserve.kernels import cpu_flags, fused_ops
+from ecoserve.kernels import fused_ops
+from ecoserve.kernels.paths import bf16_is_fast, onednn_linear
 from ecoserve.model.packed import PackedLinear, onednn_available
 
 CONFIG = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -130,8 +131,7 @@ def test_weight_bytes_per_step_leave_out_an_untied_embedding():
     assert roofline.weight_bytes_per_step(Model(tied=True)) == (8 * 8 + 100 * 8) * 4  # the table is the LM head
 
 
-@pytest.mark.skipif(not ({"amx_bf16", "avx512_bf16"} & cpu_flags()) or not onednn_available(),
-                    reason="no bfloat16 instructions")
+@pytest.mark.skipif(not (bf16_is_fast() and onednn_linear(torch.bfloat16)), reason="no bfloat16 instructions")
 def test_bfloat16_gemm_peak_beats_float32_where_the_cpu_has_bf16():
     """The peak goes through the packed bfloat16 path (AMX / AVX512-BF16), not a float32 fallback."""
     bf16, f32 = (roofline.measure("bfloat16", 1), roofline.measure("float32", 1))

@@ -210,10 +210,11 @@ def test_bf16_prompt_chunks_go_to_sdpa_only_where_amx_runs_it(monkeypatch):
     """On an AMX-BF16 CPU torch's SDPA is the faster prompt attention over a bf16 cache; decodes stay
     native, a float32 cache keeps both kernels, and use_native=True forces both."""
     import ecoserve.engine.attention as attention
+    from ecoserve.kernels import cpu
 
     cache = PagedKVCache(1, 8, 4, 2, 16, torch.bfloat16)
     for flags, expect_prefill in [({"avx512f", "amx_bf16"}, False), ({"avx512f", "avx512_bf16"}, True)]:
-        monkeypatch.setattr(attention, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(cpu, "capabilities", lambda flags=flags: cpu.CpuCapabilities.from_flags(flags))
         attn = PagedAttention(cache)
         if attn._native is None:
             pytest.skip("no native kernel on this machine")

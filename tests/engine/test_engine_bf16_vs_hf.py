@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ecoserve import LLM, SamplingParams
-from ecoserve.model.packed import PackedLinear, onednn_bf16_supported
+from ecoserve.model.packed import PackedLinear
+from ecoserve.kernels.paths import onednn_linear
 from tests.utils import hf_greedy_logits, make_tiny_checkpoint, prompts
 
 MAX_NEW = 16
@@ -70,7 +71,7 @@ def test_bf16_engine_matches_hf_bf16(checkpoint, kv_cache_dtype):
     engine = llm.llm_engine
     assert engine.loaded.model.dtype == torch.bfloat16
     assert engine.executor.kv_cache.k.dtype == (torch.bfloat16 if kv_cache_dtype == "auto" else torch.float32)
-    if onednn_bf16_supported():  # --cpu-linear auto packs the bf16 layers, the LM head included
+    if onednn_linear(torch.bfloat16):  # --cpu-linear auto packs the bf16 layers, the LM head included
         assert isinstance(engine.loaded.model.lm_head, PackedLinear)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps],
                         SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=NUM_LOGPROBS, ignore_eos=True),

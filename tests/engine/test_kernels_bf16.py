@@ -1,5 +1,5 @@
 """The native kernels' bfloat16 paths against float32 references, on this CPU's build and on an
-AVX2-only build of the same sources (ECOSERVE_KERNEL_ISA=avx2).
+AVX2-only build of the same sources (ECOSERVE_CPU_ISA=avx2).
 
 Attention: q (and out) and the K/V cache each float32 or bfloat16. The reference is float64 SDPA over
 the same values the kernel reads (bf16 inputs widened exactly), so the kernel's only errors are its
@@ -22,7 +22,7 @@ from ecoserve.model.fused import native_for
 from ecoserve.model.layers import GatedMLP, RMSNorm
 from ecoserve.model.rope import apply_rotary
 
-ISAS = ["native", "avx2"]
+ISAS = kernels.distinct_builds()  # avx2 too where that build differs from this CPU's
 DTYPE_PAIRS = {"q-bf16-cache-bf16": (torch.bfloat16, torch.bfloat16), "q-f32-cache-bf16": (torch.float32, torch.bfloat16),
                "q-bf16-cache-f32": (torch.bfloat16, torch.float32), "q-f32-cache-f32": (torch.float32, torch.float32)}
 F32_ATOL = F32_RTOL = 1e-5  # float32 accumulation, as the float32 kernel tests

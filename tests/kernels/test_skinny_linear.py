@@ -14,7 +14,7 @@ from ecoserve.model.packed import PackedLinear, onednn_available, pack_weight, p
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
-ISAS = ["native", "avx2"]
+ISAS = kernels.distinct_builds()  # avx2 too where that build differs from this CPU's
 DTYPES = [torch.float32, torch.bfloat16]
 # (out, in): whole blocks, a partial last block, K off the padding unit, a tiny layer, more than one block
 SHAPES = [(256, 128), (100, 36), (3, 5), (130, 64), (1280, 768)]

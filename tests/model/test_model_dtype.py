@@ -8,23 +8,26 @@ import logging
 import pytest
 import torch
 
-from ecoserve.model import loader
-from ecoserve.model.loader import cpu_has_bf16, load_model, load_model_info, resolve_dtype, warn_if_slow_bf16
+from ecoserve.kernels import cpu
+from ecoserve.kernels.cpu import CpuCapabilities
+from ecoserve.kernels.paths import bf16_is_fast
+from ecoserve.model.loader import load_model, load_model_info, resolve_dtype, warn_if_slow_bf16
 from tests.utils import make_tiny_checkpoint, make_tiny_gguf
 
-AMX = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
-AVX512_BF16 = frozenset({"avx512f", "avx512_bf16"})
-NO_BF16 = frozenset({"avx2", "avx512f", "avx512_vnni"})  # an AVX-512 CPU without bf16 (e.g. Skylake/Cascade Lake)
+AMX = CpuCapabilities.from_flags({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+AVX512_BF16 = CpuCapabilities.from_flags({"avx512f", "avx512_bf16"})
+# an AVX-512 CPU without bf16 (e.g. Skylake/Cascade Lake)
+NO_BF16 = CpuCapabilities.from_flags({"avx2", "avx512f", "avx512_vnni"})
 
 
-@pytest.mark.parametrize("checkpoint,quantization,flags,expected", [
+@pytest.mark.parametrize("checkpoint,quantization,caps,expected", [
     ("bfloat16", None, AMX, torch.bfloat16),
     ("bfloat16", None, AVX512_BF16, torch.bfloat16),
     ("float16", None, AMX, torch.bfloat16),  # as vLLM's CPU backend: a float16 checkpoint runs in bf16 on CPU
     ("float32", None, AMX, torch.float32),
     (None, None, AMX, torch.float32),  # a config without a dtype: the exact choice
     ("bfloat16", None, NO_BF16, torch.float32),
-    ("bfloat16", None, frozenset(), torch.float32),  # no /proc/cpuinfo
+    ("bfloat16", None, CpuCapabilities.from_flags(set()), torch.float32),  # no /proc/cpuinfo
     ("bfloat16", "int8", AMX, torch.float32),  # quantized weights take float32 activations
     ("bfloat16", "gguf", AMX, torch.float32),
     ("bfloat16", "w8a8", AMX, torch.bfloat16),  # int8 GEMMs between bfloat16 activations, as vLLM's CPU W8A8
@@ -32,22 +35,22 @@ NO_BF16 = frozenset({"avx2", "avx512f", "avx512_vnni"})  # an AVX-512 CPU withou
     ("bfloat16", "w8a8", NO_BF16, torch.float32),
     ("bfloat16", "none", AMX, torch.bfloat16),
 ])
-def test_auto_on_cpu(checkpoint, quantization, flags, expected):
-    assert resolve_dtype("auto", "cpu", checkpoint, quantization, flags) == expected
+def test_auto_on_cpu(checkpoint, quantization, caps, expected):
+    assert resolve_dtype("auto", "cpu", checkpoint, quantization, caps) == expected
 
 
 def test_explicit_dtypes_and_accelerators_ignore_the_cpu_rule():
-    assert resolve_dtype("bfloat16", "cpu", "float32", flags=NO_BF16) == torch.bfloat16
-    assert resolve_dtype("float32", "cpu", "bfloat16", flags=AMX) == torch.float32
-    assert resolve_dtype("auto", "cuda", "float16", flags=NO_BF16) == torch.float16
-    assert resolve_dtype("auto", "cuda", "float32", flags=NO_BF16) == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cpu", "float32", caps=NO_BF16) == torch.bfloat16
+    assert resolve_dtype("float32", "cpu", "bfloat16", caps=AMX) == torch.float32
+    assert resolve_dtype("auto", "cuda", "float16", caps=NO_BF16) == torch.float16
+    assert resolve_dtype("auto", "cuda", "float32", caps=NO_BF16) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("int3")
 
 
-def test_cpu_has_bf16_reads_either_flag():
-    assert cpu_has_bf16(AMX) and cpu_has_bf16(AVX512_BF16) and cpu_has_bf16(frozenset({"amx_bf16"}))
-    assert not cpu_has_bf16(NO_BF16) and not cpu_has_bf16(frozenset())
+def test_bf16_is_fast_with_either_flag():
+    assert bf16_is_fast(AMX) and bf16_is_fast(AVX512_BF16) and bf16_is_fast(CpuCapabilities.from_flags({"amx_bf16"}))
+    assert not bf16_is_fast(NO_BF16) and not bf16_is_fast(CpuCapabilities.from_flags(set()))
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +65,22 @@ def bf16_checkpoint(tmp_path_factory):
 
 
 def test_load_model_auto_follows_the_cpu(bf16_checkpoint, monkeypatch):
-    monkeypatch.setattr(loader, "cpu_flags", lambda: AMX)
+    monkeypatch.setattr(cpu, "capabilities", lambda: AMX)
     assert load_model(str(bf16_checkpoint)).model.dtype == torch.bfloat16
     assert load_model(str(bf16_checkpoint), quantization="int8").model.dtype == torch.float32
-    monkeypatch.setattr(loader, "cpu_flags", lambda: NO_BF16)
+    monkeypatch.setattr(cpu, "capabilities", lambda: NO_BF16)
     assert load_model(str(bf16_checkpoint)).model.dtype == torch.float32
 
 
 def test_bf16_without_bf16_instructions_logs_one_line_and_runs(bf16_checkpoint, monkeypatch, caplog):
-    monkeypatch.setattr(loader, "cpu_flags", lambda: NO_BF16)
+    monkeypatch.setattr(cpu, "capabilities", lambda: NO_BF16)
     with caplog.at_level(logging.WARNING, logger="ecoserve.model.loader"):
         model = load_model(str(bf16_checkpoint), dtype="bfloat16").model
     lines = [r.getMessage() for r in caplog.records if "bf16 instructions" in r.getMessage()]
     assert model.dtype == torch.bfloat16 and len(lines) == 1
     assert "slower than float32" in lines[0] and "--dtype float32" in lines[0]
     caplog.clear()
-    monkeypatch.setattr(loader, "cpu_flags", lambda: AMX)
+    monkeypatch.setattr(cpu, "capabilities", lambda: AMX)
     with caplog.at_level(logging.WARNING, logger="ecoserve.model.loader"):
         load_model(str(bf16_checkpoint), dtype="bfloat16")
     assert not [r for r in caplog.records if "bf16 instructions" in r.getMessage()]
@@ -100,4 +103,4 @@ def test_a_converted_gguf_records_float32_so_auto_keeps_it(tmp_path, quantized):
     gguf = make_tiny_gguf(ckpt, tmp_path / "tiny.gguf", GGMLQuantizationType.Q8_0 if quantized else None)
     recorded = load_model_info(str(gguf), skip_tokenizer_init=True).spec.torch_dtype
     assert recorded == "float32"
-    assert resolve_dtype("auto", "cpu", recorded, flags=AMX) == torch.float32
+    assert resolve_dtype("auto", "cpu", recorded, caps=AMX) == torch.float32

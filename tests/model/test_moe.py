@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from ecoserve import LLM, SamplingParams
 from ecoserve.model.loader import load_model
 from ecoserve.model.moe import ExpertShard, SparseMoeBlock, fused_experts, route
-from ecoserve.model.packed import NativeExperts, PackedExperts, onednn_bf16_supported
+from ecoserve.model.packed import NativeExperts, PackedExperts
+from ecoserve.kernels.paths import onednn_linear
 from ecoserve.model.spec import ModelLoadError, ModelSpec
 from tests.utils import MOE_CONFIGS, hf_logprobs, make_tiny_moe_checkpoint, prompts
 
@@ -64,7 +65,7 @@ def test_expert_shards_sum_to_the_whole():
     assert fused_experts(x, only_rank1, weights, w_gate_up[:3], w_down[:3], 0).abs().max() == 0
 
 
-needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN has no bfloat16 on this CPU")
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_linear(torch.bfloat16), reason="oneDNN has no bfloat16 on this CPU")
 
 
 @needs_onednn_bf16

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ecoserve.model.loader import load_model
-from ecoserve.model import packed as packed_module
-from ecoserve.model.packed import PackedLinear, onednn_available, onednn_bf16_supported
+from ecoserve.model.packed import PackedLinear, onednn_available
+from ecoserve.kernels.paths import onednn_linear
 from tests.utils import DenseCausalAttention, dense_greedy, make_tiny_checkpoint, prompts
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -46,7 +46,7 @@ def test_auto_packs_a_whole_model_and_torch_keeps_f_linear(tmp_path):
     assert load_model(ckpt, weights=False).model is None  # auto under TP/PP: the ranks keep F.linear, no error
 
 
-needs_bf16 = pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN has no bf16 support on this CPU")
+needs_bf16 = pytest.mark.skipif(not onednn_linear(torch.bfloat16), reason="oneDNN has no bf16 support on this CPU")
 
 
 @needs_bf16
@@ -80,7 +80,12 @@ def test_bf16_model_packs_every_linear_and_the_tied_head(tmp_path):
 
 
 def test_bf16_layers_stay_plain_where_onednn_has_no_bf16(tmp_path, monkeypatch):
-    monkeypatch.setattr(packed_module, "onednn_bf16_supported", lambda: False)
+    from dataclasses import replace
+
+    from ecoserve.kernels import cpu
+
+    no_bf16 = replace(cpu.capabilities(), onednn_bf16=False)
+    monkeypatch.setattr(cpu, "capabilities", lambda: no_bf16)
     ckpt = str(make_tiny_checkpoint(tmp_path / "ckpt", "llama"))
     assert not any(isinstance(m, PackedLinear) for m in load_model(ckpt, dtype="bfloat16").model.modules())
     assert isinstance(load_model(ckpt).model.lm_head, PackedLinear)  # float32 layers are packed all the same

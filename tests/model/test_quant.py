@@ -43,7 +43,7 @@ native = pytest.mark.skipif(quant._native() is None, reason="native quant_matmul
 
 def _build(variant: str):
     """The kernel as the engine builds it here ("native"), or the same source built for plain AVX2
-    (`ECOSERVE_KERNEL_ISA=avx2`: what a machine without AVX-512 or VNNI runs), or None where it cannot be built."""
+    (`ECOSERVE_CPU_ISA=avx2`: what a machine without AVX-512 or VNNI runs), or None where it cannot be built."""
     from ecoserve.kernels import quant_matmul
 
     return quant._native() if variant == "native" else quant_matmul(isa=variant)
@@ -76,10 +76,10 @@ def test_native_dequantization_equals_gguf_reference(qtype):
 
 
 def test_native_kernel_takes_the_widest_integer_dot_the_cpu_has():
-    from ecoserve.kernels import cpu_flags
+    from ecoserve.kernels.cpu import capabilities
 
     module = _kernel("native")
-    flags = cpu_flags()
+    flags = capabilities().flags  # at the level in force (ECOSERVE_CPU_ISA builds for it)
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         assert module.isa() == "avx512-vnni"
     elif "avx2" in flags:
