@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run chat test test-avx2 install bench clean
+.PHONY: run chat test test-slow test-avx2 install bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,12 +28,17 @@ chat: $(STAMP)
 # The import contracts in pyproject.toml (floors, independent rooms, no cycles) before the tests.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+# The few long end-to-end runs (the `slow` mark: the chaos run, eight live instances, the embedded model against
+# transformers, start-up timings); CI runs them once, after `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 # The tests whose paths depend on the CPU (the `isa` mark) again with every capability lowered to AVX2: the
 # probe's (ECOSERVE_CPU_ISA), oneDNN's and ATen's. On an AVX-512 or AMX machine this runs the AVX2-only paths.
 test-avx2: $(STAMP)
-	ECOSERVE_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m isa tests
+	ECOSERVE_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "isa and not slow" tests
 
 bench: $(STAMP)
 	$(VENV)/bin/ecoserve bench throughput --compare hf --json results/throughput.json

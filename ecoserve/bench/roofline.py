@@ -57,8 +57,7 @@ def measure_gemm_peak(dtype: str, shape: tuple[int, int, int] = PEAK_SHAPE, min_
     import torch
     import torch.nn.functional as F
 
-    from ecoserve.kernels.paths import onednn_linear
-    from ecoserve.model.packed import PackedLinear
+    from ecoserve.model.packed import PackedLinear, linear_packs
 
     m, k, n = shape
     torch_dtype = getattr(torch, dtype)
@@ -66,7 +65,7 @@ def measure_gemm_peak(dtype: str, shape: tuple[int, int, int] = PEAK_SHAPE, min_
     x = torch.randn(m, k, generator=gen).to(torch_dtype)
     w = torch.randn(n, k, generator=gen).to(torch_dtype)
     with torch.inference_mode():
-        layer = PackedLinear(w, None) if onednn_linear(torch_dtype) else (lambda t: F.linear(t, w))
+        layer = PackedLinear(w, None) if linear_packs(torch_dtype) else (lambda t: F.linear(t, w))
         seconds = _timed(lambda: layer(x), min_s)
     return 2 * m * k * n / seconds / 1e9
 

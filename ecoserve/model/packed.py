@@ -42,12 +42,22 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+def linear_packs(dtype: torch.dtype) -> bool:
+    """A dense linear of `dtype` becomes a PackedLinear here: natively, or bf16 on its widened weight."""
+    return dtype in packable_dtypes() or (dtype == torch.bfloat16 and paths.bf16_linear_widened())
+
+
 class PackedLinear(nn.Module):
-    """y = x W^T + b through oneDNN, W held in its prepacked (opaque) layout; y has x's dtype (W's)."""
+    """y = x W^T + b through oneDNN, W held in its prepacked (opaque) layout; y has x's dtype (W's). A bf16
+    weight on a CPU whose oneDNN has no native bf16 is packed widened to float32 (`paths.bf16_linear_widened`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        if weight.dtype == torch.bfloat16 and not paths.onednn_linear(torch.bfloat16):
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
         self.register_buffer("packed", pack_weight(weight))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.skinny_rows, self.skinny_layout = 0, None  # decode rows through the native loop: how many, its layout
@@ -58,14 +68,20 @@ class PackedLinear(nn.Module):
                 self.skinny_rows, self.skinny_layout = kernel.max_rows(weight.dtype), layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed.dtype != x.dtype:  # widened: x to the packed weight's float32, the result back
+            return self._forward(x.to(self.packed.dtype)).to(x.dtype)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.skinny_rows:
             return skinny_linear().skinny_linear(x.contiguous(), self.packed, self.bias, self.out_features,
                                                  *self.skinny_layout)
         return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {str(self.packed.dtype).removeprefix('torch.')} " \
-               f"oneDNN prepacked"
+        packed = str(self.packed.dtype).removeprefix("torch.")
+        widened = f" (a {str(self.dtype).removeprefix('torch.')} layer, widened)" if self.packed.dtype != self.dtype else ""
+        return f"in={self.in_features}, out={self.out_features}, {packed} oneDNN prepacked{widened}"
 
 
 class PackedExperts(nn.Module):
@@ -128,17 +144,16 @@ class NativeExperts(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every float32 CPU linear layer of `model` by a PackedLinear, and every bfloat16 one where
-    oneDNN supports bf16 here, MoE routers included (they keep their plain weight beside the packed one);
+    """Replace every float32 and bfloat16 CPU linear layer of `model` by a PackedLinear (bfloat16 widened where
+    oneDNN has no native bf16 here), MoE routers included (they keep their plain weight beside the packed one);
     returns how many. (MoE experts: `pack_moe_experts`.)"""
     from ecoserve.model.moe import Router
     from ecoserve.model.quant import _is_linear, _replace
 
-    dtypes = packable_dtypes()
     count = 0
     for name, module in list(model.named_modules()):
         router = isinstance(module, Router)
-        if (router or _is_linear(module)) and module.weight.dtype in dtypes and module.weight.device.type == "cpu":
+        if (router or _is_linear(module)) and linear_packs(module.weight.dtype) and module.weight.device.type == "cpu":
             if router:
                 module.prepacked = PackedLinear(module.weight, None)
             else:

@@ -45,6 +45,7 @@ def test_missing_llama_cpp_is_reported(tmp_path):
         peers.llama_cpp_decode(sys.executable, tmp_path / "m.gguf", [5], 4, 1)
 
 
+@pytest.mark.slow
 def test_latency_runs_quantizations_and_peer_side_by_side(fake_peer, tmp_path, capsys):
     model = make_tiny_gguf(make_tiny_checkpoint(tmp_path / "ckpt", "llama"), tmp_path / "q8.gguf", GGML.Q8_0)
     parser = argparse.ArgumentParser()
@@ -60,6 +61,7 @@ def test_latency_runs_quantizations_and_peer_side_by_side(fake_peer, tmp_path, c
     assert "llama.cpp / ecoserve-gguf: decode tokens/s x" in out and "ecoserve-gguf / ecoserve-float32" in out
 
 
+@pytest.mark.slow
 def test_latency_runs_dtypes_side_by_side(tmp_path, capsys):
     """--dtypes: one float-weight run per dtype, named by the dtype it ran in; a quantized run keeps --dtype."""
     model = make_tiny_gguf(make_tiny_checkpoint(tmp_path / "ckpt", "llama"), tmp_path / "q8.gguf", GGML.Q8_0)

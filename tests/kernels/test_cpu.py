@@ -95,12 +95,15 @@ def test_kernel_table_states_the_decisions_it_is_made_of():
     table = {(row.op, row.dtype): row for row in paths.kernel_table()}
     exact = "native int8_gemm (sign trick)" if kernels.quant_matmul() is not None else "torch._int_mm"
     assert table[("w8a8 GEMM", "int8")].path == ("oneDNN int8 prepacked" if paths.w8a8_onednn() else exact)
-    assert table[("linear", "bfloat16")].path == (
-        "oneDNN prepacked" if paths.onednn_linear(torch.bfloat16) else "torch F.linear")
+    assert table[("linear", "bfloat16")].path == ("oneDNN prepacked" if paths.onednn_linear(torch.bfloat16)
+                                                  else "oneDNN float32, widened")
     assert table[("--dtype auto, half checkpoint", "")].path == ("bfloat16" if paths.bf16_is_fast() else "float32")
     assert all(row.path and row.why for row in table.values())
     described = {(row.op, row.dtype): row for row in paths.kernel_table(CpuCapabilities.from_flags(AVX2))}
     assert described[("w8a8 GEMM", "int8")].path == exact
+    assert described[("linear", "bfloat16")].path == "oneDNN float32, widened"
+    no_onednn = {(row.op, row.dtype): row for row in paths.kernel_table(CpuCapabilities.from_flags(AVX2, onednn=False))}
+    assert no_onednn[("linear", "bfloat16")].path == "torch F.linear"
     assert "saturate" in described[("w8a8 GEMM", "int8")].why
 
 

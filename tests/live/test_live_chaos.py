@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.live.conftest import MAX_MODEL_LEN
 
 SERVE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks", "128", "--max-num-batched-tokens", "512"]
 SCRIPT = Path(__file__).parents[2] / "scripts" / "chaos_cluster.py"
 
 
+@pytest.mark.slow
 def test_chaos_run_loses_nothing_and_recovers(tiny_model, tmp_path):
     out = tmp_path / "chaos"
     cmd = [sys.executable, str(SCRIPT), "--model", tiny_model, "--duration", "30", "--calm-duration", "5",

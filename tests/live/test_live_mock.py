@@ -36,6 +36,7 @@ async def _load(url: str, rate: float, duration: float, max_tokens: int) -> list
         return list(await asyncio.gather(*tasks))
 
 
+@pytest.mark.slow
 def test_windows_roll_across_eight_instances(tiny_model, profile):
     running = start_strategy(tiny_model, "ecoserve", 8, mock_args(tiny_model, profile), ttft_slo=0.5, tpot_slo=0.1)
     try:
