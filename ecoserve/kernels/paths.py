@@ -118,8 +118,9 @@ def kernel_table(caps: CpuCapabilities | None = None) -> list[KernelPath]:
                                else "oneDNN has no native bf16 here" if widened else "torch without oneDNN"))
         packed = packed or widened
         streamed = packed and decode_rows is not None
+        stream_rows = decode_rows.max_rows(torch.float32 if widened else dtype) if streamed else 0
         rows.append(KernelPath("linear, decode rows", _name(dtype),
-                               f"native stream (<= {decode_rows.max_rows(torch.float32 if widened else dtype)} rows)" if streamed else "as linear",
+                               f"native stream (<= {stream_rows} rows)" if streamed else "as linear",
                                "over oneDNN's packed weight" if streamed else "kernel unavailable" if packed
                                else "not prepacked"))
     quant = kernels.quant_matmul()
@@ -160,7 +161,7 @@ def kernel_table(caps: CpuCapabilities | None = None) -> list[KernelPath]:
                                else "needs oneDNN and AVX2"))
     rows.append(KernelPath("--dtype auto, half checkpoint", "", "bfloat16" if bf16_is_fast(caps) else "float32",
                            "bf16 dot products in hardware" if bf16_is_fast(caps)
-                           else "no AVX512-BF16/AMX-BF16: bf16 converts in software"))
+                           else "no AVX512-BF16/AMX-BF16: bf16 would widen to float32 GEMMs"))
     return rows
 
 

@@ -67,11 +67,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
 
 def warn_if_slow_bf16(dtype: torch.dtype, device: str | torch.device = "cpu",
                       caps: CpuCapabilities | None = None) -> bool:
-    """Log one line when bfloat16 runs on a CPU without bf16 instructions (it works, converting in software)."""
+    """Log one line when bfloat16 runs on a CPU without bf16 instructions (it works, converting in registers and
+    running its linears on float32 GEMMs over widened weights: docs/architecture.md, "bfloat16 on CPU")."""
     if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or paths.bf16_is_fast(caps):
         return False
-    logger.warning("bfloat16 on a CPU without bf16 instructions (no AVX512-BF16 or AMX-BF16): it "
-                   "runs, but slower than float32 here; --dtype float32 (or auto) is faster on this machine")
+    logger.warning("bfloat16 on a CPU without bf16 instructions (no AVX512-BF16 or AMX-BF16): its products are "
+                   "widened to float32 (the linears' float32 GEMMs on widened weights where oneDNN has no bf16), at "
+                   "float32's speed at best; --dtype float32 (or auto) is as fast or faster on this machine")
     return True
 
 
@@ -289,7 +291,7 @@ def load_model(model: str | None, *, dtype: str | torch.dtype = "auto", device: 
         if not warn_if_slow_bf16(resolved, device) and dtype == "auto" and resolved == torch.float32 \
                 and spec.torch_dtype in _HALF_CHECKPOINTS and torch.device(device).type == "cpu":
             logger.info("--dtype auto: float32 for this %s checkpoint, since this CPU has no bf16 dot products "
-                        "(AVX512-BF16 or AMX-BF16); bfloat16 would convert in software and run slower",
+                        "(AVX512-BF16 or AMX-BF16); bfloat16 would only widen to float32 GEMMs",
                         spec.torch_dtype)
         info.model = build_model(spec, info.path, resolved, device)
         if quantization == "int8":

@@ -79,8 +79,8 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        packed = str(self.packed.dtype).removeprefix("torch.")
-        widened = f" (a {str(self.dtype).removeprefix('torch.')} layer, widened)" if self.packed.dtype != self.dtype else ""
+        packed, dtype = (str(d).removeprefix("torch.") for d in (self.packed.dtype, self.dtype))
+        widened = f" (a {dtype} layer, widened)" if packed != dtype else ""
         return f"in={self.in_features}, out={self.out_features}, {packed} oneDNN prepacked{widened}"
 
 

@@ -15,8 +15,14 @@ from ecoserve.bench import latency, peers
 from ecoserve.bench.profile import cprofile_top, torch_breakdown
 from tests.utils import make_tiny_checkpoint, make_tiny_gguf
 
-# Streams one chunk per token like llama-cpp-python; checks the calls our script makes.
+# Yields tokens without end like llama-cpp-python's `generate` (EOS banned by the logits processor, which must
+# take it out: the fake samples the largest score); checks the calls our script makes.
 _FAKE_LLAMA_CPP = textwrap.dedent("""
+    class LogitsProcessorList(list):
+        def __call__(self, ids, scores):
+            for processor in self:
+                scores = processor(ids, scores)
+            return scores
     class Llama:
         def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, seed, verbose):
             assert n_threads == n_threads_batch and n_ctx > 0
@@ -24,9 +30,13 @@ _FAKE_LLAMA_CPP = textwrap.dedent("""
             return 2
         def reset(self):
             self.was_reset = True
-        def create_completion(self, prompt, max_tokens, temperature, logit_bias, stream):
-            assert all(isinstance(t, int) for t in prompt) and temperature == 0.0 and logit_bias[2] < -1e6 and stream
-            return iter([{"choices": [{"text": "x"}]}] * max_tokens)
+        def generate(self, tokens, temp, logits_processor):
+            assert all(isinstance(t, int) for t in tokens) and temp == 0.0
+            while True:
+                scores = logits_processor(tokens, [0.0, 0.0, 1.0])
+                token = max(range(3), key=scores.__getitem__)
+                assert token != 2, "EOS not banned"
+                yield token
 """)
 
 

@@ -54,16 +54,6 @@ def test_isa_tag_without_cpuinfo_falls_back_to_torch(monkeypatch):
     assert kernels.isa_tag().endswith(torch.backends.cpu.get_cpu_capability().lower())
 
 
-def test_kernel_isa_comes_from_the_argument_or_the_environment(monkeypatch):
-    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
-    assert kernels.target_isa() == "native" and kernels.target_isa("AVX2") == "avx2"
-    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
-    assert kernels.target_isa() == "avx2" and kernels.target_isa("native") == "native"
-    monkeypatch.setenv(kernels.ISA_ENV, "avx9")
-    with pytest.raises(ValueError, match="avx9"):
-        kernels.target_isa()
-
-
 def test_lower_isa_build_has_its_own_folder_and_vector_width():
     """The AVX2 build of a kernel on an AVX-512 machine: its own module and folder, 8-float vectors. (On an
     AVX2-only machine the loaders reuse the native build instead, tested in tests/kernels/test_cpu.py.)"""

@@ -78,7 +78,7 @@ def test_bf16_without_bf16_instructions_logs_one_line_and_runs(bf16_checkpoint, 
         model = load_model(str(bf16_checkpoint), dtype="bfloat16").model
     lines = [r.getMessage() for r in caplog.records if "bf16 instructions" in r.getMessage()]
     assert model.dtype == torch.bfloat16 and len(lines) == 1
-    assert "slower than float32" in lines[0] and "--dtype float32" in lines[0]
+    assert "widened to float32" in lines[0] and "--dtype float32" in lines[0]
     caplog.clear()
     monkeypatch.setattr(cpu, "capabilities", lambda: AMX)
     with caplog.at_level(logging.WARNING, logger="ecoserve.model.loader"):
