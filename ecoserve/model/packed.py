@@ -55,7 +55,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        if weight.dtype == torch.bfloat16 and not paths.onednn_linear(torch.bfloat16):
+        if weight.dtype == torch.bfloat16 and paths.bf16_linear_widened():
             weight = weight.float()
             bias = None if bias is None else bias.float()
         self.register_buffer("packed", pack_weight(weight))
